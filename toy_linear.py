@@ -1,0 +1,232 @@
+#!/usr/bin/env python
+"""toy_linear.py: the training loop, taught on the smallest model there is.
+
+We learn the four weights of y = w·x from data made with w = [2, 3, 4, 7] (plus a little noise).
+`train_plain` is the loop in plain PyTorch. `main` is the same loop under 🤗 Accelerate, in the
+nine numbered sections that every diffusion script in this repo uses, so you can read them as the
+bare skeleton: 1 arguments, 2 accelerator/logging/seed, 3 model, 4 data, 5 optimizer and LR
+schedule, 6 checkpoint hooks and resume, 7 training loop, 8 validation, 9 final save.
+
+    python toy_linear.py --plain                          # plain PyTorch
+    python toy_linear.py                                  # the same loop under Accelerate
+    accelerate launch --num_processes 2 toy_linear.py     # data-parallel, same result
+    python toy_linear.py --max_train_steps 200 --checkpointing_steps 100 --resume_from_checkpoint latest
+"""
+import argparse
+import math
+import os
+import shutil
+
+import torch
+from accelerate import Accelerator
+from accelerate.logging import get_logger
+from accelerate.utils import DataLoaderConfiguration, ProjectConfiguration, set_seed
+from diffusers.optimization import get_scheduler
+from safetensors.torch import save_file
+from torch.utils.data import DataLoader, RandomSampler, TensorDataset
+from tqdm.auto import tqdm
+
+TRUE_W = [2.0, 3.0, 4.0, 7.0]
+logger = get_logger(__name__)
+
+
+# 1. Arguments: the Diffusers examples' flag names, so the same commands work across scripts
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description="Learn y = w·x, first in plain PyTorch, then with Accelerate.")
+    p.add_argument("--plain", action="store_true", help="Run the plain PyTorch loop instead of Accelerate.")
+    p.add_argument("--num_samples", type=int, default=1024, help="How many (x, y) pairs to make.")
+    p.add_argument("--noise_std", type=float, default=0.1, help="Noise added to y, so the fit is not trivial.")
+    p.add_argument("--output_dir", default="toy-linear", help="Where checkpoints, logs and the model go.")
+    p.add_argument("--seed", type=int, default=0, help="Seeds the data, the initial w and the data order.")
+    p.add_argument("--train_batch_size", type=int, default=32, help="Batch size per device.")
+    p.add_argument("--num_train_epochs", type=int, default=20)
+    p.add_argument("--max_train_steps", type=int, default=None, help="Overrides --num_train_epochs if set.")
+    p.add_argument("--gradient_accumulation_steps", type=int, default=1)
+    p.add_argument("--learning_rate", type=float, default=0.1)
+    p.add_argument("--lr_scheduler", default="cosine", help='"constant", "linear", "cosine", ...')
+    p.add_argument("--lr_warmup_steps", type=int, default=0)
+    p.add_argument("--mixed_precision", default=None, choices=["no", "fp16", "bf16"])
+    p.add_argument("--report_to", default="tensorboard", help='"tensorboard", "wandb", "all" or "none".')
+    p.add_argument("--logging_dir", default="logs", help="TensorBoard folder, under output_dir.")
+    p.add_argument("--checkpointing_steps", type=int, default=100, help="Save the full state every N steps.")
+    p.add_argument("--checkpoints_total_limit", type=int, default=None, help="Keep at most this many.")
+    p.add_argument("--resume_from_checkpoint", default=None, help='A checkpoint-N folder name, or "latest".')
+    return p.parse_args(argv)
+
+
+def make_dataset(args):
+    """x ~ N(0, 1) in four dimensions, y = x·w + noise."""
+    g = torch.Generator().manual_seed(args.seed)
+    x = torch.randn(args.num_samples, 4, generator=g)
+    y = x @ torch.tensor(TRUE_W) + args.noise_std * torch.randn(args.num_samples, generator=g)
+    return TensorDataset(x, y.unsqueeze(1))
+
+
+def make_scheduler(args, optimizer, num_processes=1):
+    """A learning rate that warms up, then decays to 0 over the run (counted per process, see main)."""
+    return get_scheduler(
+        args.lr_scheduler,
+        optimizer=optimizer,
+        num_warmup_steps=args.lr_warmup_steps * num_processes,
+        num_training_steps=args.max_train_steps * num_processes,
+    )
+
+
+def train_plain(args):
+    """The whole loop in plain PyTorch: forward, loss, zero_grad, backward, step."""
+    torch.manual_seed(args.seed)
+    model = torch.nn.Linear(4, 1, bias=False)  # its one weight matrix is w
+    dataset = make_dataset(args)
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.learning_rate)
+    args.max_train_steps = args.max_train_steps or args.num_train_epochs * math.ceil(
+        len(dataset) / args.train_batch_size
+    )
+    lr_scheduler = make_scheduler(args, optimizer)
+    global_step = 0
+    for epoch in range(math.ceil(args.max_train_steps * args.train_batch_size / len(dataset))):
+        # A new seeded shuffle each epoch: the same order Accelerate's seedable sampler draws
+        order = RandomSampler(dataset, generator=torch.Generator().manual_seed(args.seed + epoch))
+        for x, y in DataLoader(dataset, batch_size=args.train_batch_size, sampler=order):
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            lr_scheduler.step()
+            global_step += 1
+            if global_step >= args.max_train_steps:
+                break
+    os.makedirs(args.output_dir, exist_ok=True)
+    save_file(model.state_dict(), os.path.join(args.output_dir, "model.safetensors"))
+    return model
+
+
+def main(args):
+    # 2. Accelerator, logging, seed. Accelerate picks the device(s), precision and process count
+    #    from `accelerate launch` / `accelerate config`, so this file runs unchanged everywhere.
+    accelerator = Accelerator(
+        gradient_accumulation_steps=args.gradient_accumulation_steps,
+        mixed_precision=args.mixed_precision,
+        log_with=None if args.report_to == "none" else args.report_to,
+        project_config=ProjectConfiguration(args.output_dir, os.path.join(args.output_dir, args.logging_dir)),
+        # every process draws the same seeded permutation each epoch and takes its own share of it
+        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=args.seed),
+    )
+    if accelerator.mixed_precision == "fp16" and accelerator.device.type == "cpu":
+        raise SystemExit("--mixed_precision fp16 needs a GPU; on a CPU use bf16 or no.")
+    set_seed(args.seed)
+    if accelerator.is_main_process:
+        os.makedirs(args.output_dir, exist_ok=True)
+
+    # 3. Model: y = w·x is a linear layer with four inputs, one output and no bias.
+    model = torch.nn.Linear(4, 1, bias=False)
+
+    # 4. Data
+    dataset = make_dataset(args)
+    train_dataloader = DataLoader(dataset, batch_size=args.train_batch_size, shuffle=True)
+
+    # 5. Optimizer and LR schedule. The step count comes from the *prepared* (per-process) dataloader;
+    #    the prepared scheduler steps once per process, hence the `* num_processes` in make_scheduler.
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.learning_rate)
+    model, optimizer, train_dataloader = accelerator.prepare(model, optimizer, train_dataloader)
+    num_update_steps_per_epoch = math.ceil(len(train_dataloader) / args.gradient_accumulation_steps)
+    if args.max_train_steps is None:
+        args.max_train_steps = args.num_train_epochs * num_update_steps_per_epoch
+    num_train_epochs = math.ceil(args.max_train_steps / num_update_steps_per_epoch)
+    lr_scheduler = accelerator.prepare(make_scheduler(args, optimizer, accelerator.num_processes))
+    if accelerator.is_main_process:
+        accelerator.init_trackers("toy_linear", config={k: v for k, v in vars(args).items() if v is not None})
+
+    # 6. Resume: load_state restores model, optimizer, scheduler and every RNG; the step is in the name.
+    global_step, first_epoch, resume_step = 0, 0, 0
+    if args.resume_from_checkpoint:
+        path = find_checkpoint(args.output_dir, args.resume_from_checkpoint)
+        if path is None:
+            accelerator.print(f"Checkpoint '{args.resume_from_checkpoint}' not found; starting a new run.")
+        else:
+            accelerator.print(f"Resuming from {path}")
+            accelerator.load_state(path)
+            global_step = int(os.path.basename(path).split("-")[1])
+            first_epoch = global_step // num_update_steps_per_epoch
+            # the batches of the partial epoch already trained on, skipped below
+            resume_step = (global_step % num_update_steps_per_epoch) * args.gradient_accumulation_steps
+
+    # 7. The training loop
+    progress_bar = tqdm(
+        range(args.max_train_steps), initial=global_step, desc="Steps", disable=not accelerator.is_local_main_process
+    )
+    for epoch in range(first_epoch, num_train_epochs):
+        train_dataloader.set_epoch(epoch)
+        batches = train_dataloader
+        if epoch == first_epoch and resume_step:
+            batches = accelerator.skip_first_batches(train_dataloader, resume_step)
+        for x, y in batches:
+            # inside `accumulate`, gradients add up over N batches and the optimizer only steps on the Nth
+            with accelerator.accumulate(model):
+                loss = torch.nn.functional.mse_loss(model(x).float(), y)
+                accelerator.backward(loss)
+                optimizer.step()
+                lr_scheduler.step()
+                optimizer.zero_grad()
+            if accelerator.sync_gradients:  # an optimizer step happened
+                global_step += 1
+                progress_bar.update(1)
+                loss = accelerator.gather(loss.detach()).mean().item()  # the mean over all processes
+                progress_bar.set_postfix(loss=loss, lr=lr_scheduler.get_last_lr()[0])
+                accelerator.log({"train_loss": loss, "lr": lr_scheduler.get_last_lr()[0]}, step=global_step)
+                if global_step % args.checkpointing_steps == 0:
+                    save_checkpoint(accelerator, args, global_step)
+            if global_step >= args.max_train_steps:
+                break
+
+    # 8. Validation: how far the learned w is from the true one
+    w = accelerator.unwrap_model(model).weight.detach().float().flatten().cpu()
+    error = (w - torch.tensor(TRUE_W)).abs().max().item()
+    accelerator.print("learned w:", [round(v, 4) for v in w.tolist()], " true w:", TRUE_W, f" max error {error:.4f}")
+    accelerator.log({"max_abs_error": error}, step=global_step)
+
+    # 9. Final save, by the main process only
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        accelerator.save_model(model, args.output_dir)
+    accelerator.end_training()
+
+
+def find_checkpoint(output_dir, name):
+    """`latest` is the highest checkpoint-N; any other name is a folder under output_dir."""
+    if name != "latest":
+        path = os.path.join(output_dir, name)
+        return path if os.path.isdir(path) else None
+    steps = sorted(int(d.split("-")[1]) for d in os.listdir(output_dir) if is_checkpoint_name(d)) if os.path.isdir(output_dir) else []
+    return os.path.join(output_dir, f"checkpoint-{steps[-1]}") if steps else None
+
+
+def is_checkpoint_name(name):
+    return name.startswith("checkpoint-") and name[len("checkpoint-"):].isdigit()
+
+
+def save_checkpoint(accelerator, args, global_step):
+    """Rotate, then save to a temporary folder and rename it: a crash mid-save leaves no broken checkpoint-N."""
+    final = os.path.join(args.output_dir, f"checkpoint-{global_step}")
+    tmp = os.path.join(args.output_dir, f"tmp-checkpoint-{global_step}")
+    if accelerator.is_main_process:
+        if args.checkpoints_total_limit is not None:
+            old = sorted((d for d in os.listdir(args.output_dir) if is_checkpoint_name(d)), key=lambda d: int(d[11:]))
+            for d in old[: max(0, len(old) - args.checkpoints_total_limit + 1)]:
+                shutil.rmtree(os.path.join(args.output_dir, d))
+        shutil.rmtree(tmp, ignore_errors=True)
+    accelerator.wait_for_everyone()
+    accelerator.save_state(tmp)  # every process writes its own RNG state
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        shutil.rmtree(final, ignore_errors=True)
+        os.rename(tmp, final)
+        logger.info(f"Saved state to {final}")
+
+
+if __name__ == "__main__":
+    args = parse_args()
+    if args.plain:
+        w = train_plain(args).weight.detach().flatten()
+        print("learned w:", [round(v, 4) for v in w.tolist()], " true w:", TRUE_W)
+    else:
+        main(args)

@@ -16,10 +16,16 @@ def unet_weights(folder):
     return load_file(f"{folder}/diffusion_pytorch_model.safetensors")
 
 
-def assert_same_weights(a, b, rtol=1e-6):
+def assert_same_weights(a, b, rtol=1e-6, atol=1e-7):
     assert a.keys() == b.keys()
     for k in a:
-        torch.testing.assert_close(a[k], b[k], rtol=rtol, atol=1e-7, msg=lambda m: f"{k}: {m}")
+        torch.testing.assert_close(a[k], b[k], rtol=rtol, atol=atol, msg=lambda m: f"{k}: {m}")
+
+
+# Runs that sum the same gradients in another order differ by float rounding, which Adam can blow up
+# to a visible step where a gradient is ~0 (attention key biases). A tenth of one learning-rate step
+# (1e-3) still fails for a wrong batch, which moves the weights by about one step.
+EQUIVALENT = dict(rtol=1e-4, atol=1e-4)
 
 
 def checkpoints(out):
@@ -87,13 +93,13 @@ def test_two_processes_match_one_with_the_same_global_batch(reference, common, t
                num_processes=2)
     assert checkpoints(out) == ["checkpoint-8"]  # rotation ran once, on the main process only
     assert {p.name for p in (out / "checkpoint-8").glob("random_states_*")} == {"random_states_0.pkl", "random_states_1.pkl"}
-    assert_same_weights(unet_weights(out / "unet"), unet_weights(reference / "unet"), rtol=1e-4)
+    assert_same_weights(unet_weights(out / "unet"), unet_weights(reference / "unet"), **EQUIVALENT)
 
 
 def test_gradient_accumulation_matches_the_full_batch(reference, common, tmp_path):
     out = tmp_path / "accum"
     run_script(SCRIPT, common + ["--train_batch_size", "1", "--gradient_accumulation_steps", "2", "--output_dir", out])
-    assert_same_weights(unet_weights(out / "unet"), unet_weights(reference / "unet"), rtol=1e-4)
+    assert_same_weights(unet_weights(out / "unet"), unet_weights(reference / "unet"), **EQUIVALENT)
 
 
 def test_checkpoint_contract(plain_image_folder, tiny_unet_config_path, tmp_path):

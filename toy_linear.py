@@ -1,16 +1,12 @@
 #!/usr/bin/env python
-"""toy_linear.py: the training loop, taught on the smallest model there is.
+"""toy_linear.py: the training loop, taught on the smallest model there is: y = w·x, true w = [2, 3, 4, 7].
 
-We learn the four weights of y = w·x from data made with w = [2, 3, 4, 7] (plus a little noise).
-`train_plain` is the loop in plain PyTorch. `main` is the same loop under 🤗 Accelerate, in the
-nine numbered sections that every diffusion script in this repo uses, so you can read them as the
-bare skeleton: 1 arguments, 2 accelerator/logging/seed, 3 model, 4 data, 5 optimizer and LR
-schedule, 6 checkpoint hooks and resume, 7 training loop, 8 validation, 9 final save.
+`train_plain` is the loop in plain PyTorch; `main` is the same loop under 🤗 Accelerate, in the nine
+numbered sections every diffusion script here uses: the bare skeleton, nothing else in the way.
 
-    python toy_linear.py --plain                          # plain PyTorch
-    python toy_linear.py                                  # the same loop under Accelerate
-    accelerate launch --num_processes 2 toy_linear.py     # data-parallel, same result
-    python toy_linear.py --max_train_steps 200 --checkpointing_steps 100 --resume_from_checkpoint latest
+    python toy_linear.py --plain                        # plain PyTorch
+    python toy_linear.py                                # the same loop under Accelerate, same result
+    accelerate launch --num_processes 2 toy_linear.py   # data-parallel, same result again
 """
 import argparse
 import math
@@ -19,7 +15,6 @@ import shutil
 
 import torch
 from accelerate import Accelerator
-from accelerate.logging import get_logger
 from accelerate.utils import DataLoaderConfiguration, ProjectConfiguration, set_seed
 from diffusers.optimization import get_scheduler
 from safetensors.torch import save_file
@@ -27,15 +22,12 @@ from torch.utils.data import DataLoader, RandomSampler, TensorDataset
 from tqdm.auto import tqdm
 
 TRUE_W = [2.0, 3.0, 4.0, 7.0]
-logger = get_logger(__name__)
 
 
 # 1. Arguments: the Diffusers examples' flag names, so the same commands work across scripts
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description="Learn y = w·x, first in plain PyTorch, then with Accelerate.")
     p.add_argument("--plain", action="store_true", help="Run the plain PyTorch loop instead of Accelerate.")
-    p.add_argument("--num_samples", type=int, default=1024, help="How many (x, y) pairs to make.")
-    p.add_argument("--noise_std", type=float, default=0.1, help="Noise added to y, so the fit is not trivial.")
     p.add_argument("--output_dir", default="toy-linear", help="Where checkpoints, logs and the model go.")
     p.add_argument("--seed", type=int, default=0, help="Seeds the data, the initial w and the data order.")
     p.add_argument("--train_batch_size", type=int, default=32, help="Batch size per device.")
@@ -54,36 +46,28 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def make_dataset(args):
-    """x ~ N(0, 1) in four dimensions, y = x·w + noise."""
+def make_dataset(args, n=1024):
+    """x ~ N(0, 1) in four dimensions; y = x·w plus a little noise, so the fit is not trivial."""
     g = torch.Generator().manual_seed(args.seed)
-    x = torch.randn(args.num_samples, 4, generator=g)
-    y = x @ torch.tensor(TRUE_W) + args.noise_std * torch.randn(args.num_samples, generator=g)
-    return TensorDataset(x, y.unsqueeze(1))
+    x = torch.randn(n, 4, generator=g)
+    return TensorDataset(x, (x @ torch.tensor(TRUE_W) + 0.1 * torch.randn(n, generator=g)).unsqueeze(1))
 
 
 def make_scheduler(args, optimizer, num_processes=1):
     """A learning rate that warms up, then decays to 0 over the run (counted per process, see main)."""
-    return get_scheduler(
-        args.lr_scheduler,
-        optimizer=optimizer,
-        num_warmup_steps=args.lr_warmup_steps * num_processes,
-        num_training_steps=args.max_train_steps * num_processes,
-    )
+    return get_scheduler(args.lr_scheduler, optimizer, num_warmup_steps=args.lr_warmup_steps * num_processes,
+                         num_training_steps=args.max_train_steps * num_processes)
 
 
 def train_plain(args):
-    """The whole loop in plain PyTorch: forward, loss, zero_grad, backward, step."""
+    """The whole loop in plain PyTorch: forward, loss, zero_grad, backward, step; --num_train_epochs epochs."""
     torch.manual_seed(args.seed)
     model = torch.nn.Linear(4, 1, bias=False)  # its one weight matrix is w
     dataset = make_dataset(args)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.learning_rate)
-    args.max_train_steps = args.max_train_steps or args.num_train_epochs * math.ceil(
-        len(dataset) / args.train_batch_size
-    )
+    args.max_train_steps = args.num_train_epochs * math.ceil(len(dataset) / args.train_batch_size)
     lr_scheduler = make_scheduler(args, optimizer)
-    global_step = 0
-    for epoch in range(math.ceil(args.max_train_steps * args.train_batch_size / len(dataset))):
+    for epoch in range(args.num_train_epochs):
         # A new seeded shuffle each epoch: the same order Accelerate's seedable sampler draws
         order = RandomSampler(dataset, generator=torch.Generator().manual_seed(args.seed + epoch))
         for x, y in DataLoader(dataset, batch_size=args.train_batch_size, sampler=order):
@@ -92,20 +76,16 @@ def train_plain(args):
             loss.backward()
             optimizer.step()
             lr_scheduler.step()
-            global_step += 1
-            if global_step >= args.max_train_steps:
-                break
+    print("learned w:", [round(v, 4) for v in model.weight.flatten().tolist()], " true w:", TRUE_W)
     os.makedirs(args.output_dir, exist_ok=True)
     save_file(model.state_dict(), os.path.join(args.output_dir, "model.safetensors"))
-    return model
 
 
 def main(args):
     # 2. Accelerator, logging, seed. Accelerate picks the device(s), precision and process count
     #    from `accelerate launch` / `accelerate config`, so this file runs unchanged everywhere.
     accelerator = Accelerator(
-        gradient_accumulation_steps=args.gradient_accumulation_steps,
-        mixed_precision=args.mixed_precision,
+        gradient_accumulation_steps=args.gradient_accumulation_steps, mixed_precision=args.mixed_precision,
         log_with=None if args.report_to == "none" else args.report_to,
         project_config=ProjectConfiguration(args.output_dir, os.path.join(args.output_dir, args.logging_dir)),
         # every process draws the same seeded permutation each epoch and takes its own share of it
@@ -114,8 +94,6 @@ def main(args):
     if accelerator.mixed_precision == "fp16" and accelerator.device.type == "cpu":
         raise SystemExit("--mixed_precision fp16 needs a GPU; on a CPU use bf16 or no.")
     set_seed(args.seed)
-    if accelerator.is_main_process:
-        os.makedirs(args.output_dir, exist_ok=True)
 
     # 3. Model: y = w·x is a linear layer with four inputs, one output and no bias.
     model = torch.nn.Linear(4, 1, bias=False)
@@ -134,6 +112,7 @@ def main(args):
     num_train_epochs = math.ceil(args.max_train_steps / num_update_steps_per_epoch)
     lr_scheduler = accelerator.prepare(make_scheduler(args, optimizer, accelerator.num_processes))
     if accelerator.is_main_process:
+        os.makedirs(args.output_dir, exist_ok=True)
         accelerator.init_trackers("toy_linear", config={k: v for k, v in vars(args).items() if v is not None})
 
     # 6. Resume: load_state restores model, optimizer, scheduler and every RNG; the step is in the name.
@@ -151,9 +130,8 @@ def main(args):
             resume_step = (global_step % num_update_steps_per_epoch) * args.gradient_accumulation_steps
 
     # 7. The training loop
-    progress_bar = tqdm(
-        range(args.max_train_steps), initial=global_step, desc="Steps", disable=not accelerator.is_local_main_process
-    )
+    progress_bar = tqdm(range(args.max_train_steps), initial=global_step, desc="Steps",
+                        disable=not accelerator.is_local_main_process)
     for epoch in range(first_epoch, num_train_epochs):
         train_dataloader.set_epoch(epoch)
         batches = train_dataloader
@@ -193,11 +171,11 @@ def main(args):
 
 def find_checkpoint(output_dir, name):
     """`latest` is the highest checkpoint-N; any other name is a folder under output_dir."""
-    if name != "latest":
-        path = os.path.join(output_dir, name)
-        return path if os.path.isdir(path) else None
-    steps = sorted(int(d.split("-")[1]) for d in os.listdir(output_dir) if is_checkpoint_name(d)) if os.path.isdir(output_dir) else []
-    return os.path.join(output_dir, f"checkpoint-{steps[-1]}") if steps else None
+    if name == "latest":
+        found = [d for d in os.listdir(output_dir) if is_checkpoint_name(d)] if os.path.isdir(output_dir) else []
+        return os.path.join(output_dir, max(found, key=lambda d: int(d[11:]))) if found else None
+    path = os.path.join(output_dir, os.path.basename(os.path.normpath(name)))
+    return path if os.path.isdir(path) else None
 
 
 def is_checkpoint_name(name):
@@ -205,28 +183,16 @@ def is_checkpoint_name(name):
 
 
 def save_checkpoint(accelerator, args, global_step):
-    """Rotate, then save to a temporary folder and rename it: a crash mid-save leaves no broken checkpoint-N."""
-    final = os.path.join(args.output_dir, f"checkpoint-{global_step}")
-    tmp = os.path.join(args.output_dir, f"tmp-checkpoint-{global_step}")
-    if accelerator.is_main_process:
-        if args.checkpoints_total_limit is not None:
-            old = sorted((d for d in os.listdir(args.output_dir) if is_checkpoint_name(d)), key=lambda d: int(d[11:]))
-            for d in old[: max(0, len(old) - args.checkpoints_total_limit + 1)]:
-                shutil.rmtree(os.path.join(args.output_dir, d))
-        shutil.rmtree(tmp, ignore_errors=True)
+    """Delete the oldest checkpoints so at most --checkpoints_total_limit remain after this one, then save.
+    (The diffusion scripts also make the save atomic: a temporary folder, renamed when complete.)"""
+    if accelerator.is_main_process and args.checkpoints_total_limit is not None:
+        old = sorted((d for d in os.listdir(args.output_dir) if is_checkpoint_name(d)), key=lambda d: int(d[11:]))
+        for d in old[: max(0, len(old) - args.checkpoints_total_limit + 1)]:
+            shutil.rmtree(os.path.join(args.output_dir, d))
     accelerator.wait_for_everyone()
-    accelerator.save_state(tmp)  # every process writes its own RNG state
-    accelerator.wait_for_everyone()
-    if accelerator.is_main_process:
-        shutil.rmtree(final, ignore_errors=True)
-        os.rename(tmp, final)
-        logger.info(f"Saved state to {final}")
+    accelerator.save_state(os.path.join(args.output_dir, f"checkpoint-{global_step}"))  # each process: its RNG
 
 
 if __name__ == "__main__":
     args = parse_args()
-    if args.plain:
-        w = train_plain(args).weight.detach().flatten()
-        print("learned w:", [round(v, 4) for v in w.tolist()], " true w:", TRUE_W)
-    else:
-        main(args)
+    train_plain(args) if args.plain else main(args)

@@ -258,14 +258,7 @@ def main(args):
                 target = noise if args.prediction_type == "epsilon" else clean_images
                 # Algorithm 1's loss ‖ε − ε_θ(x_t, t)‖², one value per image so it can be weighted
                 loss = F.mse_loss(model_output.float(), target.float(), reduction="none").mean(dim=[1, 2, 3])
-                if args.prediction_type == "sample" or args.snr_gamma is not None:
-                    snr = compute_snr(noise_scheduler, timesteps)  # SNR(t) = ᾱ_t / (1 − ᾱ_t)
-                    gamma = args.snr_gamma or float("inf")
-                    if args.prediction_type == "sample":  # an x_0 error times SNR(t) is the ε error: same objective
-                        loss = loss * snr.clamp(max=gamma)
-                    else:  # min-SNR-γ: cap the weight of the easy, nearly clean timesteps
-                        loss = loss * snr.clamp(max=gamma) / snr
-                loss = loss.mean()
+                loss = (loss * snr_loss_weights(noise_scheduler, timesteps, args)).mean()
                 # the mean over all processes, for the log
                 train_loss += accelerator.gather(loss.detach()).mean().item() / args.gradient_accumulation_steps
                 accelerator.backward(loss)
@@ -308,6 +301,16 @@ def main(args):
         save_pipeline(accelerator, args, model, ema_model if args.use_ema else None, noise_scheduler)
         logger.info(f"Saved the pipeline to {args.output_dir}")
     accelerator.end_training()
+
+
+def snr_loss_weights(noise_scheduler, timesteps, args):
+    """Per-image loss weights from SNR(t) = ᾱ_t / (1 − ᾱ_t)."""
+    snr = compute_snr(noise_scheduler, timesteps)
+    if args.prediction_type == "sample":  # an x_0 error times SNR(t) is the ε error: the same objective
+        return snr.clamp(max=args.snr_gamma or float("inf"))
+    if args.snr_gamma is None:
+        return torch.ones_like(snr)
+    return snr.clamp(max=args.snr_gamma) / snr  # min-SNR-γ: cap the weight of the easy, nearly clean timesteps
 
 
 def load_train_dataset(args):

@@ -297,3 +297,35 @@ def tiny_unet_config_path(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny_unet_config")
     unet.save_config(path)
     return str(path)
+
+
+# Comparing training outputs
+
+def unet_weights(folder):
+    from safetensors.torch import load_file
+
+    return load_file(f"{folder}/diffusion_pytorch_model.safetensors")
+
+
+def assert_same_weights(a, b, rtol=1e-6, atol=1e-7):
+    import torch
+
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=rtol, atol=atol, msg=lambda m: f"{k}: {m}")
+
+
+# Runs that sum the same gradients in another order (2 processes, accumulation) differ by float rounding.
+# Adam's first steps are ~lr·g/|g|, which would blow that rounding up to full steps where the true gradient
+# is 0 (a bias right before a normalization that removes it). --adam_epsilon 1e-4 keeps such gradients
+# negligible; real ones still move each weight by ~1e-3 per step, 100x the tolerance below.
+STABLE_ADAM = ["--adam_epsilon", "1e-4"]
+EQUIVALENT = dict(rtol=1e-4, atol=1e-5)
+
+
+def checkpoints(out):
+    return sorted((p.name for p in out.glob("checkpoint-*")), key=lambda n: int(n.split("-")[1]))
+
+
+def snapshot(folder):
+    return sorted((str(p.relative_to(folder)), p.stat().st_mtime_ns) for p in folder.rglob("*"))

@@ -1,35 +1,14 @@
 """train_unconditional.py: the checkpoint contract, exact resume, equivalent runs, EMA, output, bad input."""
 import shutil
-import sys
 
 import numpy as np
 import pytest
 import torch
-from conftest import CORRUPT_FILE, REPO, run_script
+from conftest import (CORRUPT_FILE, EQUIVALENT, REPO, STABLE_ADAM, assert_same_weights, checkpoints, run_script,
+                      snapshot, unet_weights)
 from PIL import Image
-from safetensors.torch import load_file
 
 SCRIPT = "train_unconditional.py"
-
-
-def unet_weights(folder):
-    return load_file(f"{folder}/diffusion_pytorch_model.safetensors")
-
-
-def assert_same_weights(a, b, rtol=1e-6, atol=1e-7):
-    assert a.keys() == b.keys()
-    for k in a:
-        torch.testing.assert_close(a[k], b[k], rtol=rtol, atol=atol, msg=lambda m: f"{k}: {m}")
-
-
-# Runs that sum the same gradients in another order differ by float rounding, which Adam can blow up
-# to a visible step where a gradient is ~0 (attention key biases). A tenth of one learning-rate step
-# (1e-3) still fails for a wrong batch, which moves the weights by about one step.
-EQUIVALENT = dict(rtol=1e-4, atol=1e-4)
-
-
-def checkpoints(out):
-    return sorted((p.name for p in out.glob("checkpoint-*")), key=lambda n: int(n.split("-")[1]))
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +18,7 @@ def common(label_folder, tiny_unet_config_path):
             "--resolution", "32", "--random_flip", "--use_ema", "--seed", "0", "--learning_rate", "1e-3",
             "--lr_warmup_steps", "2", "--max_train_steps", "8", "--checkpointing_steps", "4",
             "--ddpm_num_inference_steps", "2", "--eval_batch_size", "2", "--save_images_epochs", "100",
-            "--save_model_epochs", "100"]
+            "--save_model_epochs", "100", *STABLE_ADAM]
 
 
 @pytest.fixture(scope="module")
@@ -128,10 +107,6 @@ def victim(reference, tmp_path_factory):
     shutil.copytree(reference / "checkpoint-4", out / "checkpoint-4")
     (out / "not-a-checkpoint").mkdir()
     return out
-
-
-def snapshot(folder):
-    return sorted((str(p.relative_to(folder)), p.stat().st_mtime_ns) for p in folder.rglob("*"))
 
 
 @pytest.mark.parametrize("case", ["empty", "no_such_dir", "column", "corrupt", "resume", "resolution"])

@@ -1,0 +1,199 @@
+"""train_text_to_image.py: the checkpoint contract, exact resume, min-SNR, v-prediction, frozen parts, output, bad input."""
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from conftest import (CORRUPT_FILE, EQUIVALENT, REPO, STABLE_ADAM, assert_same_weights, checkpoints, run_script,
+                      snapshot, unet_weights, write_imagefolder)
+from PIL import Image
+from safetensors.torch import load_file
+
+SCRIPT = "train_text_to_image.py"
+PROMPTS = ["a handwritten digit seven", "a handwritten digit one"]
+
+
+def generate(folder):
+    from diffusers import DiffusionPipeline
+
+    pipe = DiffusionPipeline.from_pretrained(folder)
+    images = pipe(PROMPTS[0], num_inference_steps=2, height=64, width=64, generator=torch.manual_seed(0),
+                  output_type="np").images
+    assert images.shape == (1, 64, 64, 3) and np.isfinite(images).all()
+    return pipe
+
+
+@pytest.fixture(scope="module")
+def base(tiny_sd_path, caption_folder):
+    return ["--pretrained_model_name_or_path", tiny_sd_path, "--train_data_dir", caption_folder, "--resolution", "64",
+            "--report_to", "none"]
+
+
+@pytest.fixture(scope="module")
+def common(base):
+    """20 captioned images at 64 px, batch 2: checkpoint-3 falls mid-epoch. Every random draw is exercised."""
+    return base + ["--random_flip", "--use_ema", "--seed", "0", "--learning_rate", "1e-3", "--lr_warmup_steps", "2",
+                   "--max_train_steps", "6", "--checkpointing_steps", "3", "--prediction_type", "v_prediction",
+                   "--snr_gamma", "5", "--noise_offset", "0.1", "--input_perturbation", "0.1", *STABLE_ADAM]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, common):
+    out = tmp_path_factory.mktemp("t2i") / "ref"
+    run_script(SCRIPT, common + ["--train_batch_size", "2", "--output_dir", out, "--report_to", "tensorboard",
+                                 "--validation_prompts", *PROMPTS, "--validation_epochs", "1"])
+    return out
+
+
+def test_resume_is_exact(reference, common, tmp_path):
+    out = tmp_path / "resumed"
+    out.mkdir()
+    shutil.copytree(reference / "checkpoint-3", out / "checkpoint-3")
+    log = run_script(SCRIPT, common + ["--train_batch_size", "2", "--output_dir", out, "--resume_from_checkpoint", "latest"])
+    assert f"Resuming from {out / 'checkpoint-3'}" in log
+    for sub in ["unet", "unet_ema"]:
+        assert_same_weights(unet_weights(out / "checkpoint-6" / sub), unet_weights(reference / "checkpoint-6" / sub))
+    opt, opt_ref = (torch.load(d / "checkpoint-6" / "optimizer.bin", weights_only=False) for d in (out, reference))
+    for i, state in opt_ref["state"].items():
+        torch.testing.assert_close(opt["state"][i]["exp_avg_sq"], state["exp_avg_sq"], rtol=1e-6, atol=1e-12)
+
+
+def test_two_processes_match_one_with_the_same_global_batch(reference, common, tmp_path):
+    out = tmp_path / "ddp"
+    run_script(SCRIPT, common + ["--train_batch_size", "1", "--output_dir", out], num_processes=2)
+    assert checkpoints(out) == ["checkpoint-3", "checkpoint-6"]
+    assert_same_weights(unet_weights(out / "unet"), unet_weights(reference / "unet"), **EQUIVALENT)
+
+
+def test_only_the_unet_trains_and_the_output_is_a_full_pipeline(reference, tiny_sd_path):
+    base, out = Path(tiny_sd_path), reference
+    trained, original = unet_weights(out / "unet"), unet_weights(base / "unet")
+    assert any(not torch.equal(trained[k], original[k]) for k in original)
+    assert_same_weights(trained, unet_weights(reference / "checkpoint-6" / "unet_ema"), rtol=0)  # EMA weights saved
+    # the optimizer holds exactly the UNet's parameters: the VAE and text encoder were never trained
+    optimizer = torch.load(out / "checkpoint-6" / "optimizer.bin", weights_only=False)
+    assert len(optimizer["param_groups"][0]["params"]) == len(original)
+    for part in ["vae", "text_encoder"]:
+        saved = next((out / part).glob("*.safetensors"))
+        assert_same_weights(load_file(saved), load_file(base / part / saved.name), rtol=0, atol=0)
+    assert json.loads((out / "scheduler" / "scheduler_config.json").read_text())["prediction_type"] == "v_prediction"
+    generate(out)
+    card = (out / "README.md").read_text()
+    assert tiny_sd_path in card and "samples/step-6.png" in card
+
+
+def test_validation_writes_a_grid_per_epoch(reference):
+    # 20 images at batch 2: epoch 0 ends at step 10, after the limit of 6, so one grid, at the end
+    grid = Image.open(reference / "samples" / "step-6.png")
+    assert grid.size == (2 * 64 + 3 * 2, 64 + 2 * 2)  # two prompts side by side, 2 px padding
+    assert list((reference / "logs").rglob("events.out.tfevents.*"))
+
+
+def test_min_snr_weights_match_a_hand_computation(monkeypatch):
+    monkeypatch.syspath_prepend(str(REPO))
+    from argparse import Namespace
+
+    from diffusers import DDPMScheduler
+    from train_text_to_image import snr_loss_weights
+
+    scheduler = DDPMScheduler(beta_schedule="scaled_linear", beta_start=0.00085, beta_end=0.012)
+    t = torch.tensor([0, 10, 500, 999])
+    betas = torch.linspace(0.00085**0.5, 0.012**0.5, 1000, dtype=torch.float64) ** 2
+    alpha_bar = torch.cumprod(1 - betas, 0)[t]
+    snr = alpha_bar / (1 - alpha_bar)
+    for prediction_type, expected in [("epsilon", snr.clamp(max=5) / snr), ("v_prediction", snr.clamp(max=5) / (snr + 1))]:
+        scheduler.register_to_config(prediction_type=prediction_type)
+        weights = snr_loss_weights(scheduler, t, Namespace(snr_gamma=5.0))
+        torch.testing.assert_close(weights.double(), expected, rtol=1e-4, atol=0)  # float32 near t = 0
+        assert weights[0] < 1 and weights[-1] == pytest.approx(1.0 if prediction_type == "epsilon" else 1 / (1 + snr[-1].item()))
+    assert torch.equal(snr_loss_weights(scheduler, t, Namespace(snr_gamma=None)), torch.ones(4))
+
+
+def test_checkpoint_contract_with_ema(base, tmp_path):
+    out = tmp_path / "ema"
+    run_script(SCRIPT, base + ["--train_batch_size", "1", "--output_dir", out, "--use_ema", "--max_train_steps", "6",
+                               "--checkpointing_steps", "2", "--checkpoints_total_limit", "2"])
+    assert checkpoints(out) == ["checkpoint-4", "checkpoint-6"]
+    from diffusers import UNet2DConditionModel
+
+    for sub in ["unet", "unet_ema"]:
+        UNet2DConditionModel.from_pretrained(out / "checkpoint-6" / sub)
+    generate(out)
+
+
+@pytest.fixture(scope="module")
+def list_caption_folder(tmp_path_factory):
+    """Captions as lists of strings, one picked at random per step."""
+    path = Path(write_imagefolder(tmp_path_factory.mktemp("lists"), 20))
+    rows = [json.loads(line) for line in (path / "metadata.jsonl").read_text().splitlines()]
+    (path / "metadata.jsonl").write_text("".join(json.dumps({**r, "text": [r["text"], "a digit"]}) + "\n" for r in rows))
+    return str(path)
+
+
+def test_checkpoint_contract_without_ema_and_list_captions(base, list_caption_folder, tmp_path):
+    out = tmp_path / "plain"
+    args = base + ["--train_data_dir", list_caption_folder, "--train_batch_size", "1", "--output_dir", out,
+                   "--checkpointing_steps", "2"]
+    run_script(SCRIPT, args + ["--max_train_steps", "4"])
+    assert checkpoints(out) == ["checkpoint-2", "checkpoint-4"]
+    assert not (out / "checkpoint-4" / "unet_ema").exists()
+    run_script(SCRIPT, args + ["--max_train_steps", "8", "--resume_from_checkpoint", "checkpoint-4",
+                               "--checkpoints_total_limit", "2"])
+    assert checkpoints(out) == ["checkpoint-6", "checkpoint-8"]
+    generate(out)
+
+
+@pytest.fixture(scope="module")
+def victim(tmp_path_factory):
+    """An output_dir with earlier work that no bad command may touch."""
+    out = tmp_path_factory.mktemp("victim")
+    (out / "checkpoint-2" / "unet").mkdir(parents=True)
+    (out / "checkpoint-2" / "optimizer.bin").write_bytes(b"earlier work")
+    (out / "not-a-checkpoint").mkdir()
+    return out
+
+
+@pytest.fixture(scope="module")
+def number_caption_folder(tmp_path_factory):
+    path = Path(write_imagefolder(tmp_path_factory.mktemp("numbers"), 3, columns=("label",)))
+    rows = [json.loads(line) for line in (path / "metadata.jsonl").read_text().splitlines()]
+    (path / "metadata.jsonl").write_text("".join(json.dumps({**r, "text": r["label"]}) + "\n" for r in rows))
+    return str(path)
+
+
+@pytest.mark.parametrize("case", ["not_a_pipeline", "no_image_column", "no_caption_column", "caption_type", "corrupt",
+                                  "resolution", "resume", "fp16_on_cpu"])
+def test_bad_input_is_one_clear_error(case, victim, base, tmp_path, caption_folder, nocaption_folder,
+                                      corrupt_image_folder, number_caption_folder):
+    extra, expected = {
+        "not_a_pipeline": (["--pretrained_model_name_or_path", caption_folder], "is not a Stable Diffusion pipeline: no scheduler/"),
+        "no_image_column": (["--image_column", "img"], "--image_column 'img' is not in the dataset; its columns are ['image', 'text', 'label']"),
+        "no_caption_column": (["--train_data_dir", nocaption_folder], "--caption_column 'text' is not in the dataset; its columns are ['image', 'label']"),
+        "caption_type": (["--train_data_dir", number_caption_folder], "--caption_column 'text' row 0 is 0: give a string or a list of strings"),
+        "corrupt": (["--train_data_dir", corrupt_image_folder], CORRUPT_FILE),
+        "resolution": (["--resolution", "60"], "--resolution 60 must be a multiple of 8, the VAE's downsampling factor"),
+        "resume": (["--resume_from_checkpoint", "not-a-checkpoint"], "is not a checkpoint-N folder"),
+        "fp16_on_cpu": (["--mixed_precision", "fp16"], "--mixed_precision fp16 needs a GPU; on a CPU use bf16 or no"),
+    }[case]
+    before = snapshot(victim)
+    log = run_script(SCRIPT, base + ["--output_dir", victim, *extra], expect_fail=True)
+    assert expected in log
+    assert "Steps:" not in log
+    assert snapshot(victim) == before
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["--train_data_dir", "x"], "give the base model: --pretrained_model_name_or_path"),
+    (["--pretrained_model_name_or_path", "x"], "give a dataset: --dataset_name or --train_data_dir"),
+    (["--pretrained_model_name_or_path", "x", "--train_data_dir", "x", "--prediction_type", "sample"],
+     "argument --prediction_type: invalid choice: 'sample'"),
+])
+def test_bad_flags_are_rejected_by_the_parser(argv, expected, capsys, monkeypatch):
+    monkeypatch.syspath_prepend(str(REPO))
+    from train_text_to_image import parse_args
+
+    with pytest.raises(SystemExit) as exit:
+        parse_args(argv)
+    assert exit.value.code == 2 and expected in capsys.readouterr().err

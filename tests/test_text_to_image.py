@@ -106,8 +106,9 @@ def test_min_snr_weights_match_a_hand_computation(monkeypatch):
     for prediction_type, expected in [("epsilon", snr.clamp(max=5) / snr), ("v_prediction", snr.clamp(max=5) / (snr + 1))]:
         scheduler.register_to_config(prediction_type=prediction_type)
         weights = snr_loss_weights(scheduler, t, Namespace(snr_gamma=5.0))
-        torch.testing.assert_close(weights.double(), expected, rtol=1e-4, atol=0)  # float32 near t = 0
-        assert weights[0] < 1 and weights[-1] == pytest.approx(1.0 if prediction_type == "epsilon" else 1 / (1 + snr[-1].item()))
+        torch.testing.assert_close(weights.double(), expected, rtol=1e-3, atol=0)  # float32 near t = 0
+        assert prediction_type == "v_prediction" or weights[-1] == 1  # ε at high noise: SNR < γ, weight 1
+        assert weights[0] < 0.01  # nearly clean: SNR ≈ 1000 is capped at γ = 5
     assert torch.equal(snr_loss_weights(scheduler, t, Namespace(snr_gamma=None)), torch.ones(4))
 
 

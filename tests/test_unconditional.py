@@ -141,3 +141,20 @@ def test_bad_flags_are_rejected_by_the_parser(argv, expected, capsys, monkeypatc
     with pytest.raises(SystemExit) as exit:
         train_unconditional.parse_args(argv)
     assert exit.value.code == 2 and expected in capsys.readouterr().err
+
+
+def test_sample_prediction_is_weighted_by_snr_capped_at_gamma(monkeypatch):
+    monkeypatch.syspath_prepend(str(REPO))
+    from argparse import Namespace
+
+    from diffusers import DDPMScheduler
+    from train_unconditional import snr_loss_weights
+
+    scheduler, t = DDPMScheduler(), torch.tensor([0, 300, 999])  # linear betas 1e-4 .. 0.02
+    alpha_bar = torch.cumprod(1 - torch.linspace(1e-4, 0.02, 1000, dtype=torch.float64), 0)[t]
+    snr = alpha_bar / (1 - alpha_bar)
+    weights = snr_loss_weights(scheduler, t, Namespace(prediction_type="sample", snr_gamma=5.0)).double()
+    torch.testing.assert_close(weights, snr.clamp(max=5), rtol=1e-3, atol=0)
+    weights = snr_loss_weights(scheduler, t, Namespace(prediction_type="epsilon", snr_gamma=5.0)).double()
+    torch.testing.assert_close(weights, snr.clamp(max=5) / snr, rtol=1e-3, atol=0)
+    assert torch.equal(snr_loss_weights(scheduler, t, Namespace(prediction_type="epsilon", snr_gamma=None)), torch.ones(3))

@@ -85,7 +85,8 @@ def parse_args(argv=None):
     p.add_argument("--snr_gamma", type=float, default=None, help="Min-SNR-γ loss weighting; 5.0 is common.")
     p.add_argument("--ddpm_num_steps", type=int, default=1000)
     p.add_argument("--ddpm_num_inference_steps", type=int, default=1000)
-    p.add_argument("--ddpm_beta_schedule", default="linear")
+    p.add_argument("--ddpm_beta_schedule", default="linear",
+                   choices=["linear", "scaled_linear", "squaredcos_cap_v2", "sigmoid", "laplace"])
     p.add_argument("--checkpointing_steps", type=int, default=500, help="Save the full state every N steps.")
     p.add_argument("--checkpoints_total_limit", type=int, default=None, help="Keep at most this many.")
     p.add_argument("--resume_from_checkpoint", default=None, help='A checkpoint-N folder name, or "latest".')

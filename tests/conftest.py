@@ -209,6 +209,10 @@ def _seeded(model_class, *args, **kwargs):
 
 @pytest.fixture(scope="session")
 def tiny_sd_path(tmp_path_factory):
+    return build_tiny_sd(tmp_path_factory.mktemp("clip_vocab"), tmp_path_factory.mktemp("tiny_sd"))
+
+
+def build_tiny_sd(vocab_dir, path):
     """A tiny Stable Diffusion 1.x-layout pipeline folder (random weights, no safety checker).
 
     The VAE has 4 blocks like the real one, so it downsamples by 8 (pipe.vae_scale_factor == 8):
@@ -218,7 +222,7 @@ def tiny_sd_path(tmp_path_factory):
     from diffusers import AutoencoderKL, DDPMScheduler, StableDiffusionPipeline, UNet2DConditionModel
     from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
 
-    tokenizer = CLIPTokenizer(*write_clip_vocab(tmp_path_factory.mktemp("clip_vocab")), model_max_length=77)
+    tokenizer = CLIPTokenizer(*write_clip_vocab(vocab_dir), model_max_length=77)
     unet = _seeded(
         UNet2DConditionModel,
         block_out_channels=(32, 64),
@@ -274,7 +278,6 @@ def tiny_sd_path(tmp_path_factory):
         feature_extractor=None,
         requires_safety_checker=False,
     )
-    path = tmp_path_factory.mktemp("tiny_sd")
     pipe.save_pretrained(path)
     return str(path)
 

@@ -134,6 +134,7 @@ def test_bad_input_is_one_clear_error(case, victim, tiny_unet_config_path, label
     ([], "give a dataset: --dataset_name or --train_data_dir"),
     (["--train_data_dir", "x", "--lr_scheduler", "wavy"], "argument --lr_scheduler: invalid choice: 'wavy'"),
     (["--train_data_dir", "x", "--prediction_type", "v"], "argument --prediction_type: invalid choice: 'v'"),
+    (["--train_data_dir", "x", "--ddpm_beta_schedule", "cubic"], "argument --ddpm_beta_schedule: invalid choice: 'cubic'"),
 ])
 def test_bad_flags_are_rejected_by_the_parser(argv, expected, capsys, monkeypatch):
     monkeypatch.syspath_prepend(str(REPO))

@@ -1,0 +1,123 @@
+"""Images per second of the training scripts next to a bare training loop on the same model, in one run.
+
+    python benchmarks/speed.py [--steps 40] [--only unconditional|text_to_image]
+
+unconditional: the config of the Diffusers example's CPU figure (issue #3): UNet (32, 64, 64) from
+configs/unet-digits, 32 px digits, batch 16. text_to_image: the tiny Stable Diffusion pipeline of the
+tests, 64 px captioned digits, batch 4 (issue #4). fp32, one process, all cores.
+
+The bare loop is the step and nothing around it (fixed batch; VAE and text encoder forward passes
+included for text-to-image): the ceiling for any script on that model. A script's figure is the median
+of the img/s it logs per step, skipping the first 5. Run it on an otherwise idle machine.
+"""
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "tests"))
+from conftest import build_tiny_sd, write_imagefolder  # noqa: E402  the tests' offline tiny pipeline
+
+
+def median_img_s(step, batch_size, steps):
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        step()
+        times.append(batch_size / (time.perf_counter() - start))
+    return statistics.median(times[5:])
+
+
+def bare_unconditional(batch_size, steps):
+    from diffusers import UNet2DModel
+
+    model = UNet2DModel.from_config(UNet2DModel.load_config(REPO / "configs" / "unet-digits"))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    x, noise, t = torch.randn(batch_size, 3, 32, 32), torch.randn(batch_size, 3, 32, 32), torch.randint(0, 1000, (batch_size,))
+
+    def step():
+        torch.nn.functional.mse_loss(model(x, t).sample, noise).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad()
+
+    return median_img_s(step, batch_size, steps)
+
+
+def bare_text_to_image(pipeline, batch_size, steps):
+    from diffusers import StableDiffusionPipeline
+
+    pipe = StableDiffusionPipeline.from_pretrained(pipeline)
+    unet, vae, text_encoder = pipe.unet, pipe.vae.requires_grad_(False), pipe.text_encoder.requires_grad_(False)
+    optimizer = torch.optim.AdamW(unet.parameters(), lr=1e-4)
+    x, t = torch.randn(batch_size, 3, 64, 64), torch.randint(0, 1000, (batch_size,))
+    ids = pipe.tokenizer(["a handwritten digit"] * batch_size, padding="max_length", return_tensors="pt").input_ids
+
+    def step():
+        with torch.no_grad():
+            latents = vae.encode(x).latent_dist.sample() * vae.config.scaling_factor
+            states = text_encoder(ids)[0]
+        noise = torch.randn_like(latents)
+        pred = unet(pipe.scheduler.add_noise(latents, noise, t), t, states).sample
+        torch.nn.functional.mse_loss(pred, noise).backward()
+        torch.nn.utils.clip_grad_norm_(unet.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad()
+
+    return median_img_s(step, batch_size, steps)
+
+
+def script_img_s(script, args, steps):
+    with tempfile.TemporaryDirectory() as out:
+        subprocess.run(
+            [sys.executable, str(REPO / script), *map(str, args), "--max_train_steps", str(steps), "--output_dir", out,
+             "--checkpointing_steps", "100000"],
+            check=True, capture_output=True, env={**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"},
+        )
+        logs = next(Path(out, "logs").iterdir())
+        return statistics.median(e.value for e in EventAccumulator(str(logs)).Reload().Scalars("img/s")[5:])
+
+
+def report(name, figure, bare):
+    print(f"  {name:42s} {figure:6.1f} img/s  ({figure / bare:.2f} of the bare loop)")
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--only", choices=["unconditional", "text_to_image"])
+    args = p.parse_args()
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    if args.only != "text_to_image":
+        print("train_unconditional.py: UNet (32, 64, 64), 32 px, batch 16")
+        bare = bare_unconditional(16, args.steps)
+        report("bare loop", bare, bare)
+        common = ["--train_data_dir", REPO / "data" / "digits", "--model_config_name_or_path", REPO / "configs" / "unet-digits",
+                  "--resolution", "32", "--train_batch_size", "16", "--save_images_epochs", "100000",
+                  "--ddpm_num_inference_steps", "1", "--eval_batch_size", "1"]
+        for name, extra in [("script", []), ("script --use_ema", ["--use_ema"]),
+                            ("script --use_ema --random_flip", ["--use_ema", "--random_flip"])]:
+            report(name, script_img_s("train_unconditional.py", common + extra, args.steps), bare)
+    if args.only != "unconditional":
+        print("train_text_to_image.py: the tests' tiny SD pipeline, 64 px, batch 4")
+        with tempfile.TemporaryDirectory() as tmp:
+            pipeline = build_tiny_sd(Path(tmp, "vocab"), Path(tmp, "sd"))
+            data = write_imagefolder(Path(tmp, "data"), 200)
+            bare = bare_text_to_image(pipeline, 4, args.steps)
+            report("bare loop", bare, bare)
+            common = ["--pretrained_model_name_or_path", pipeline, "--train_data_dir", data, "--resolution", "64",
+                      "--train_batch_size", "4"]
+            for name, extra in [("script", []), ("script --use_ema --random_flip", ["--use_ema", "--random_flip"])]:
+                report(name, script_img_s("train_text_to_image.py", common + extra, args.steps), bare)
+
+
+if __name__ == "__main__":
+    main()

@@ -225,9 +225,9 @@ def main(args):
         num_warmup_steps=args.lr_warmup_steps * accelerator.num_processes,
         num_training_steps=args.max_train_steps * accelerator.num_processes,
     ))
-    if args.use_ema and args.offload_ema:
-        ema_model.pin_memory()
-    elif args.use_ema:
+    if args.use_ema and args.offload_ema and accelerator.device.type == "cuda":
+        ema_model.pin_memory()  # page-locked host memory: the copies to and from the GPU need not wait
+    elif args.use_ema and not args.offload_ema:
         ema_model.to(accelerator.device)
 
     # 6. Checkpoint hooks and resume. The hooks write the UNet (and its EMA) as `save_pretrained`

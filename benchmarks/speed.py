@@ -109,6 +109,7 @@ def main():
     if args.only != "unconditional":
         print("train_text_to_image.py: the tests' tiny SD pipeline, 64 px, batch 4")
         with tempfile.TemporaryDirectory() as tmp:
+            Path(tmp, "vocab").mkdir()
             pipeline = build_tiny_sd(Path(tmp, "vocab"), Path(tmp, "sd"))
             data = write_imagefolder(Path(tmp, "data"), 200)
             bare = bare_text_to_image(pipeline, 4, args.steps)

@@ -47,8 +47,8 @@ def test_unconditional_learns_digits(tmp_path):
     from diffusers import DDIMPipeline, DDIMScheduler, DDPMPipeline, UNet2DModel
 
     out = tmp_path / "demo"
-    steps = ["--num_epochs", "8"] if FULL else ["--max_train_steps", "40", "--lr_warmup_steps", "10"]
-    run_script(REPO / "train_unconditional.py", DEMO + steps + ["--output_dir", out, "--save_images_epochs", "4"],
+    steps = ["--num_epochs", "20"] if FULL else ["--max_train_steps", "40", "--lr_warmup_steps", "10"]
+    run_script(REPO / "train_unconditional.py", DEMO + steps + ["--output_dir", out, "--save_images_epochs", "10"],
                env={"OMP_NUM_THREADS": str(os.cpu_count())})
     losses = [e.value for e in EventAccumulator(str(out / "logs" / "train_unconditional")).Reload().Scalars("train_loss")]
     assert np.mean(losses[-5:]) < 0.5 * np.mean(losses[:5])

@@ -124,6 +124,17 @@ def test_checkpoint_contract_with_ema(base, tmp_path):
     generate(out)
 
 
+def test_bf16_with_offloaded_ema_saves_the_frozen_parts_as_they_were(base, tiny_sd_path, tmp_path):
+    out = tmp_path / "bf16"
+    run_script(SCRIPT, base + ["--train_batch_size", "2", "--output_dir", out, "--max_train_steps", "2",
+                               "--mixed_precision", "bf16", "--use_ema", "--offload_ema", "--foreach_ema"])
+    for part in ["vae", "text_encoder"]:  # trained beside bf16 copies, saved from the base model's fp32 files
+        saved = next((out / part).glob("*.safetensors"))
+        assert_same_weights(load_file(saved), load_file(Path(tiny_sd_path) / part / saved.name), rtol=0, atol=0)
+    assert all(w.dtype == torch.float32 for w in unet_weights(out / "unet").values())
+    generate(out)
+
+
 @pytest.fixture(scope="module")
 def list_caption_folder(tmp_path_factory):
     """Captions as lists of strings, one picked at random per step."""

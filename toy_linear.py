@@ -92,7 +92,7 @@ def main(args):
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=args.seed),
     )
     if accelerator.mixed_precision == "fp16" and accelerator.device.type == "cpu":
-        raise SystemExit("--mixed_precision fp16 needs a GPU; on a CPU use bf16 or no.")
+        raise SystemExit("error: --mixed_precision fp16 needs a GPU; on a CPU use bf16 or no.")
     set_seed(args.seed)
 
     # 3. Model: y = w·x is a linear layer with four inputs, one output and no bias.
@@ -109,7 +109,7 @@ def main(args):
     num_update_steps_per_epoch = math.ceil(len(train_dataloader) / args.gradient_accumulation_steps)
     if args.max_train_steps is None:
         args.max_train_steps = args.num_train_epochs * num_update_steps_per_epoch
-    num_train_epochs = math.ceil(args.max_train_steps / num_update_steps_per_epoch)
+    args.num_train_epochs = math.ceil(args.max_train_steps / num_update_steps_per_epoch)
     lr_scheduler = accelerator.prepare(make_scheduler(args, optimizer, accelerator.num_processes))
     if accelerator.is_main_process:
         os.makedirs(args.output_dir, exist_ok=True)
@@ -132,7 +132,7 @@ def main(args):
     # 7. The training loop
     progress_bar = tqdm(range(args.max_train_steps), initial=global_step, desc="Steps",
                         disable=not accelerator.is_local_main_process)
-    for epoch in range(first_epoch, num_train_epochs):
+    for epoch in range(first_epoch, args.num_train_epochs):
         train_dataloader.set_epoch(epoch)
         batches = train_dataloader
         if epoch == first_epoch and resume_step:

@@ -15,6 +15,7 @@ Sections, the same in every script of this repo: 1 arguments, 2 accelerator/logg
 """
 import argparse
 import io
+import logging
 import math
 import os
 import shutil
@@ -108,6 +109,8 @@ def main(args):
     )
     if accelerator.mixed_precision == "fp16" and accelerator.device.type == "cpu":
         raise SystemExit("error: --mixed_precision fp16 needs a GPU; on a CPU use bf16 or no.")
+    # INFO lines (progress notes, saved checkpoints) from the main process; library chatter from the others is muted
+    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
     if not accelerator.is_main_process:
         datasets.utils.logging.set_verbosity_error()
     if args.seed is not None:

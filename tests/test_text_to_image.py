@@ -126,8 +126,11 @@ def test_checkpoint_contract_with_ema(base, tmp_path):
 
 def test_bf16_with_offloaded_ema_saves_the_frozen_parts_as_they_were(base, tiny_sd_path, tmp_path):
     out = tmp_path / "bf16"
-    run_script(SCRIPT, base + ["--train_batch_size", "2", "--output_dir", out, "--max_train_steps", "2",
-                               "--mixed_precision", "bf16", "--use_ema", "--offload_ema", "--foreach_ema"])
+    # --max_train_samples 4 at batch 2 makes an epoch of 2 steps, whatever the 20 rows of the folder
+    log = run_script(SCRIPT, base + ["--train_batch_size", "2", "--output_dir", out, "--max_train_samples", "4",
+                                     "--num_train_epochs", "1", "--checkpointing_steps", "1", "--seed", "0",
+                                     "--mixed_precision", "bf16", "--use_ema", "--offload_ema", "--foreach_ema"])
+    assert "4 images, 1 epochs, 2 steps" in log and checkpoints(out) == ["checkpoint-1", "checkpoint-2"]
     for part in ["vae", "text_encoder"]:  # trained beside bf16 copies, saved from the base model's fp32 files
         saved = next((out / part).glob("*.safetensors"))
         assert_same_weights(load_file(saved), load_file(Path(tiny_sd_path) / part / saved.name), rtol=0, atol=0)
@@ -175,12 +178,13 @@ def number_caption_folder(tmp_path_factory):
     return str(path)
 
 
-@pytest.mark.parametrize("case", ["not_a_pipeline", "no_image_column", "no_caption_column", "caption_type", "corrupt",
+@pytest.mark.parametrize("case", ["not_a_pipeline", "no_such_model", "no_image_column", "no_caption_column", "caption_type", "corrupt",
                                   "resolution", "resume", "fp16_on_cpu"])
 def test_bad_input_is_one_clear_error(case, victim, base, tmp_path, caption_folder, nocaption_folder,
                                       corrupt_image_folder, number_caption_folder):
     extra, expected = {
         "not_a_pipeline": (["--pretrained_model_name_or_path", caption_folder], "is not a Stable Diffusion pipeline: no scheduler/"),
+        "no_such_model": (["--pretrained_model_name_or_path", str(tmp_path / "nowhere")], "nowhere is not a folder"),
         "no_image_column": (["--image_column", "img"], "--image_column 'img' is not in the dataset; its columns are ['image', 'text', 'label']"),
         "no_caption_column": (["--train_data_dir", nocaption_folder], "--caption_column 'text' is not in the dataset; its columns are ['image', 'label']"),
         "caption_type": (["--train_data_dir", number_caption_folder], "--caption_column 'text' row 0 is 0: give a string or a list of strings"),

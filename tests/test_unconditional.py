@@ -92,7 +92,7 @@ def test_checkpoint_contract(plain_image_folder, tiny_unet_config_path, tmp_path
     # a resumed run whose step limit is already reached still trains one step and saves on schedule
     log = run_script(SCRIPT, args + ["--max_train_steps", "4", "--resume_from_checkpoint", "checkpoint-4",
                                      "--checkpointing_steps", "5"])
-    assert "Resuming from" in log
+    assert "Resuming from" in log and f"Saved state to {out / 'checkpoint-5'}" in log
     assert checkpoints(out) == ["checkpoint-2", "checkpoint-4", "checkpoint-5", "checkpoint-6"]
     # the limit also removes the excess left by the runs without one
     run_script(SCRIPT, args + ["--num_epochs", "2", "--resume_from_checkpoint", "checkpoint-6",

@@ -72,9 +72,10 @@ def test_run_script(tmp_path, num_processes):
     script = tmp_path / "count.py"
     # A bare PartialState() ignores ACCELERATE_USE_CPU; Accelerator(), as the training scripts use, does not.
     script.write_text(
-        "import os, accelerate\n"
+        "import os, sys, accelerate\n"
         "n = accelerate.Accelerator().num_processes\n"
-        "print('processes', n, 'offline', os.environ['HF_HUB_OFFLINE'])\n"
+        # one write per rank: the two ranks share the pipe, and print() writes in pieces that can interleave
+        "sys.stdout.write(f\"processes {n} offline {os.environ['HF_HUB_OFFLINE']}\\n\")\n"
     )
     log = run_script(script, [], num_processes=num_processes)
     assert log.count(f"processes {num_processes} offline 1") == num_processes

@@ -53,10 +53,9 @@ def make_dataset(args, n=1024):
     return TensorDataset(x, (x @ torch.tensor(TRUE_W) + 0.1 * torch.randn(n, generator=g)).unsqueeze(1))
 
 
-def make_scheduler(args, optimizer, num_processes=1):
-    """A learning rate that warms up, then decays to 0 over the run (counted per process, see main)."""
-    return get_scheduler(args.lr_scheduler, optimizer, num_warmup_steps=args.lr_warmup_steps * num_processes,
-                         num_training_steps=args.max_train_steps * num_processes)
+def make_scheduler(args, optimizer):
+    """A learning rate that warms up, then decays to 0 over the run (counted in optimizer steps)."""
+    return get_scheduler(args.lr_scheduler, optimizer, num_warmup_steps=args.lr_warmup_steps, num_training_steps=args.max_train_steps)
 
 
 def train_plain(args):
@@ -90,6 +89,7 @@ def main(args):
         project_config=ProjectConfiguration(args.output_dir, os.path.join(args.output_dir, args.logging_dir)),
         # every process draws the same seeded permutation each epoch and takes its own share of it
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=args.seed),
+        step_scheduler_with_optimizer=False,  # the loop steps the LR schedule once per optimizer step
     )
     if accelerator.mixed_precision == "fp16" and accelerator.device.type == "cpu":
         raise SystemExit("error: --mixed_precision fp16 needs a GPU; on a CPU use bf16 or no.")
@@ -102,15 +102,15 @@ def main(args):
     dataset = make_dataset(args)
     train_dataloader = DataLoader(dataset, batch_size=args.train_batch_size, shuffle=True)
 
-    # 5. Optimizer and LR schedule. The step count comes from the *prepared* (per-process) dataloader;
-    #    the prepared scheduler steps once per process, hence the `* num_processes` in make_scheduler.
+    # 5. Optimizer and LR schedule, prepared in one call (DeepSpeed wraps the scheduler only so), the step count
+    #    computed beforehand from each process's share of the batches.
     optimizer = torch.optim.SGD(model.parameters(), lr=args.learning_rate)
-    model, optimizer, train_dataloader = accelerator.prepare(model, optimizer, train_dataloader)
-    num_update_steps_per_epoch = math.ceil(len(train_dataloader) / args.gradient_accumulation_steps)
+    num_update_steps_per_epoch = math.ceil(math.ceil(len(train_dataloader) / accelerator.num_processes) / args.gradient_accumulation_steps)
     if args.max_train_steps is None:
         args.max_train_steps = args.num_train_epochs * num_update_steps_per_epoch
     args.num_train_epochs = math.ceil(args.max_train_steps / num_update_steps_per_epoch)
-    lr_scheduler = accelerator.prepare(make_scheduler(args, optimizer, accelerator.num_processes))
+    lr_scheduler = make_scheduler(args, optimizer)
+    model, optimizer, train_dataloader, lr_scheduler = accelerator.prepare(model, optimizer, train_dataloader, lr_scheduler)
     if accelerator.is_main_process:
         os.makedirs(args.output_dir, exist_ok=True)
         accelerator.init_trackers("toy_linear", config={k: v for k, v in vars(args).items() if v is not None})
@@ -119,8 +119,8 @@ def main(args):
     global_step, first_epoch, resume_step = 0, 0, 0
     if args.resume_from_checkpoint:
         path = find_checkpoint(args.output_dir, args.resume_from_checkpoint)
-        if path is None:
-            accelerator.print(f"Checkpoint '{args.resume_from_checkpoint}' not found; starting a new run.")
+        if path is None:  # `latest`, and none yet (a named checkpoint that is missing is an error)
+            accelerator.print(f"No checkpoint in {args.output_dir} yet; starting a new run.")
         else:
             accelerator.print(f"Resuming from {path}")
             accelerator.load_state(path)
@@ -143,9 +143,9 @@ def main(args):
                 loss = torch.nn.functional.mse_loss(model(x).float(), y)
                 accelerator.backward(loss)
                 optimizer.step()
-                lr_scheduler.step()
                 optimizer.zero_grad()
             if accelerator.sync_gradients:  # an optimizer step happened
+                lr_scheduler.step()
                 global_step += 1
                 progress_bar.update(1)
                 loss = accelerator.gather(loss.detach()).mean().item()  # the mean over all processes
@@ -175,7 +175,9 @@ def find_checkpoint(output_dir, name):
         found = [d for d in os.listdir(output_dir) if is_checkpoint_name(d)] if os.path.isdir(output_dir) else []
         return os.path.join(output_dir, max(found, key=lambda d: int(d[11:]))) if found else None
     path = os.path.join(output_dir, os.path.basename(os.path.normpath(name)))
-    return path if os.path.isdir(path) else None
+    if not os.path.isdir(path):  # starting afresh would let rotation delete the new run's checkpoints
+        raise SystemExit(f"error: --resume_from_checkpoint {path} does not exist (`latest` starts afresh when there is none)")
+    return path
 
 
 def is_checkpoint_name(name):
@@ -183,8 +185,7 @@ def is_checkpoint_name(name):
 
 
 def save_checkpoint(accelerator, args, global_step):
-    """Delete the oldest checkpoints so at most --checkpoints_total_limit remain after this one, then save.
-    (The diffusion scripts also make the save atomic: a temporary folder, renamed when complete.)"""
+    """Delete the oldest so at most --checkpoints_total_limit remain after this one, then save (atomic in the others)."""
     if accelerator.is_main_process and args.checkpoints_total_limit is not None:
         old = sorted((d for d in os.listdir(args.output_dir) if is_checkpoint_name(d)), key=lambda d: int(d[11:]))
         for d in old[: max(0, len(old) - args.checkpoints_total_limit + 1)]:

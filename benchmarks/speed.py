@@ -1,6 +1,7 @@
 """Images per second of the training scripts next to a bare training loop on the same model, in one run.
 
     python benchmarks/speed.py [--steps 40] [--only unconditional|text_to_image]
+    python benchmarks/speed.py --startup 100000 [--script OLD_COPY_OF_train_unconditional.py]
 
 unconditional: the config of the Diffusers example's CPU figure (issue #3): UNet (32, 64, 64) from
 configs/unet-digits, 32 px digits, batch 16. text_to_image: the tiny Stable Diffusion pipeline of the
@@ -86,6 +87,34 @@ def script_img_s(script, args, steps):
         return statistics.median(e.value for e in EventAccumulator(str(logs)).Reload().Scalars("img/s")[5:])
 
 
+def startup_seconds(script, rows, repeats=3):
+    """Seconds from launch to the end of the first training step of `script` on a `rows`-image imagefolder of
+    tiny 8x8 PNGs (generated once; the `datasets` cache is warmed by a first, untimed run). The median of repeats."""
+    from PIL import Image
+
+    data = Path(tempfile.gettempdir(), f"startup-imagefolder-{rows}")
+    if not (data / "metadata.jsonl").is_file():
+        data.mkdir(exist_ok=True)
+        image = Image.new("RGB", (8, 8), (128, 64, 32))
+        for i in range(rows):
+            image.save(data / f"{i:06d}.png")
+        (data / "metadata.jsonl").write_text("".join(f'{{"file_name": "{i:06d}.png", "label": 0}}\n' for i in range(rows)))
+    times = []
+    for _ in range(repeats + 1):
+        with tempfile.TemporaryDirectory() as out:
+            start = time.time()
+            subprocess.run(
+                [sys.executable, str(script), "--train_data_dir", data, "--model_config_name_or_path", REPO / "configs" / "unet-digits",
+                 "--resolution", "32", "--max_train_steps", "1", "--output_dir", out, "--seed", "0",
+                 "--ddpm_num_inference_steps", "1", "--eval_batch_size", "1"],
+                check=True, capture_output=True, env={**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"},
+            )
+            events = EventAccumulator(str(next(Path(out, "logs").iterdir()))).Reload()
+            loss = "loss" if "loss" in events.Tags()["scalars"] else "train_loss"  # older versions logged train_loss
+            times.append(events.Scalars(loss)[0].wall_time - start)
+    return statistics.median(times[1:])
+
+
 def report(name, figure, bare):
     print(f"  {name:42s} {figure:6.1f} img/s  ({figure / bare:.2f} of the bare loop)")
 
@@ -94,8 +123,13 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--only", choices=["unconditional", "text_to_image"])
+    p.add_argument("--startup", type=int, metavar="ROWS", help="Time to the first step on ROWS tiny images instead.")
+    p.add_argument("--script", default=REPO / "train_unconditional.py", help="The script whose startup is timed.")
     args = p.parse_args()
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    if args.startup:
+        print(f"{args.script}: {startup_seconds(args.script, args.startup):.1f} s to the first step on {args.startup} images")
+        return
     if args.only != "text_to_image":
         print("train_unconditional.py: UNet (32, 64, 64), 32 px, batch 16")
         bare = bare_unconditional(16, args.steps)

@@ -62,14 +62,22 @@ def _fail(reason, cmd, log):
     pytest.fail(f"{reason}: {shlex.join(cmd)}\n--- last lines of the log ---\n{log[-8000:]}", pytrace=False)
 
 
-def run_script(script, args, *, num_processes=1, expect_fail=False, env=None, timeout=900):
-    """Run `script` (relative to REPO, or absolute) under `accelerate launch`; return its stdout+stderr.
+def zero(stage):
+    """`accelerate launch` flags for DeepSpeed ZeRO-`stage` (ZeRO-3 saving whole 16-bit weights at the end)."""
+    return ["--use_deepspeed", "--zero_stage", str(stage)] + (["--zero3_save_16bit_model", "true"] if stage == 3 else [])
+
+
+def run_script(script, args, *, num_processes=1, launch_args=(), expect_fail=False, env=None, timeout=900):
+    """Run `script` (relative to REPO, or absolute) under `accelerate launch [launch_args]`; return its stdout+stderr.
 
     Fails the test if the exit code is non-zero, or zero when `expect_fail` is set.
     """
-    launch = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", _accelerate_config()]
+    launch = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", _accelerate_config(), *launch_args]
     run_env = {**os.environ, **HF_ENV}
-    if num_processes > 1:
+    if "--use_deepspeed" in launch_args:
+        # DeepSpeed on CPU processes: the script names gloo. ACCELERATE_USE_CPU would silently make it plain DDP.
+        launch += ["--num_processes", str(num_processes), "--main_process_port", str(_free_port())]
+    elif num_processes > 1:
         # Several CPU processes talking over gloo; a fresh port so runs never clash.
         launch += ["--multi_gpu", "--num_processes", str(num_processes), "--main_process_port", str(_free_port())]
         run_env["ACCELERATE_USE_CPU"] = "1"
@@ -328,6 +336,18 @@ EQUIVALENT = dict(rtol=1e-4, atol=1e-5)
 
 def checkpoints(out):
     return sorted((p.name for p in out.glob("checkpoint-*")), key=lambda n: int(n.split("-")[1]))
+
+
+def seed_logged(log):
+    import re
+
+    return int(re.search(r"Training with seed (\d+)", log).group(1))
+
+
+def truncate(path):
+    """Cut a file in half, as an interrupted copy leaves it."""
+    data = Path(path).read_bytes()
+    Path(path).write_bytes(data[: len(data) // 2])
 
 
 def snapshot(folder):

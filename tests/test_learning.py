@@ -50,7 +50,7 @@ def test_unconditional_learns_digits(tmp_path):
     steps = ["--num_epochs", "20"] if FULL else ["--max_train_steps", "40", "--lr_warmup_steps", "10"]
     run_script(REPO / "train_unconditional.py", DEMO + steps + ["--output_dir", out, "--save_images_epochs", "10"],
                env={"OMP_NUM_THREADS": str(os.cpu_count())})
-    losses = [e.value for e in EventAccumulator(str(out / "logs" / "train_unconditional")).Reload().Scalars("train_loss")]
+    losses = [e.value for e in EventAccumulator(str(out / "logs" / "train_unconditional")).Reload().Scalars("loss")]
     assert np.mean(losses[-5:]) < 0.5 * np.mean(losses[:5])
 
     # samples as a user gets them (the demo's 250 DDPM steps); in CI a few quick DDIM ones

@@ -1,5 +1,6 @@
 """train_text_to_image.py: the checkpoint contract, exact resume, min-SNR, v-prediction, frozen parts, output, bad input."""
 import json
+import shlex
 import shutil
 from pathlib import Path
 
@@ -7,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import (CORRUPT_FILE, EQUIVALENT, REPO, STABLE_ADAM, assert_same_weights, checkpoints, run_script,
-                      snapshot, unet_weights, write_imagefolder)
+                      snapshot, unet_weights, write_imagefolder, zero)
 from PIL import Image
 from safetensors.torch import load_file
 
@@ -36,7 +37,8 @@ def common(base):
     """20 captioned images at 64 px, batch 2: checkpoint-3 falls mid-epoch. Every random draw is exercised."""
     return base + ["--random_flip", "--use_ema", "--seed", "0", "--learning_rate", "1e-3", "--lr_warmup_steps", "2",
                    "--max_train_steps", "6", "--checkpointing_steps", "3", "--prediction_type", "v_prediction",
-                   "--snr_gamma", "5", "--noise_offset", "0.1", "--input_perturbation", "0.1", *STABLE_ADAM]
+                   "--snr_gamma", "5", "--noise_offset", "0.1", "--input_perturbation", "0.1", "--max_grad_norm", "0.1",
+                   *STABLE_ADAM]
 
 
 @pytest.fixture(scope="module")
@@ -161,13 +163,23 @@ def test_checkpoint_contract_without_ema_and_list_captions(base, list_caption_fo
 
 
 @pytest.fixture(scope="module")
-def victim(tmp_path_factory):
+def victim(tmp_path_factory, reference):
     """An output_dir with earlier work that no bad command may touch."""
     out = tmp_path_factory.mktemp("victim")
-    (out / "checkpoint-2" / "unet").mkdir(parents=True)
+    shutil.copytree(reference / "checkpoint-3", out / "checkpoint-3")
+    (out / "checkpoint-2" / "unet").mkdir(parents=True)  # written by another tool
     (out / "checkpoint-2" / "optimizer.bin").write_bytes(b"earlier work")
     (out / "not-a-checkpoint").mkdir()
     return out
+
+
+@pytest.fixture(scope="module")
+def sample_predicting_sd(tiny_sd_path, tmp_path_factory):
+    path = tmp_path_factory.mktemp("sample_sd") / "sd"
+    shutil.copytree(tiny_sd_path, path)
+    config = path / "scheduler" / "scheduler_config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "prediction_type": "sample"}))
+    return str(path)
 
 
 @pytest.fixture(scope="module")
@@ -179,9 +191,9 @@ def number_caption_folder(tmp_path_factory):
 
 
 @pytest.mark.parametrize("case", ["not_a_pipeline", "no_such_model", "no_image_column", "no_caption_column", "caption_type", "corrupt",
-                                  "resolution", "resume", "fp16_on_cpu"])
+                                  "resolution", "resume", "resume_missing", "resume_foreign", "sample_prediction", "fp16_on_cpu"])
 def test_bad_input_is_one_clear_error(case, victim, base, tmp_path, caption_folder, nocaption_folder,
-                                      corrupt_image_folder, number_caption_folder):
+                                      corrupt_image_folder, number_caption_folder, sample_predicting_sd):
     extra, expected = {
         "not_a_pipeline": (["--pretrained_model_name_or_path", caption_folder], "is not a Stable Diffusion pipeline: no scheduler/"),
         "no_such_model": (["--pretrained_model_name_or_path", str(tmp_path / "nowhere")], "nowhere is not a folder"),
@@ -191,6 +203,10 @@ def test_bad_input_is_one_clear_error(case, victim, base, tmp_path, caption_fold
         "corrupt": (["--train_data_dir", corrupt_image_folder], CORRUPT_FILE),
         "resolution": (["--resolution", "60"], "--resolution 60 must be a multiple of 8, the VAE's downsampling factor"),
         "resume": (["--resume_from_checkpoint", "not-a-checkpoint"], "is not a checkpoint-N folder"),
+        "resume_missing": (["--resume_from_checkpoint", "checkpoint-4"], "checkpoint-4 does not exist"),
+        "resume_foreign": (["--resume_from_checkpoint", "checkpoint-2"], "checkpoint-2 is not a checkpoint-N folder written by train_text_to_image.py"),
+        "sample_prediction": (["--pretrained_model_name_or_path", sample_predicting_sd],
+                              "the base scheduler predicts 'sample': give --prediction_type epsilon or v_prediction"),
         "fp16_on_cpu": (["--mixed_precision", "fp16"], "--mixed_precision fp16 needs a GPU; on a CPU use bf16 or no"),
     }[case]
     before = snapshot(victim)
@@ -205,6 +221,8 @@ def test_bad_input_is_one_clear_error(case, victim, base, tmp_path, caption_fold
     (["--pretrained_model_name_or_path", "x"], "give a dataset: --dataset_name or --train_data_dir"),
     (["--pretrained_model_name_or_path", "x", "--train_data_dir", "x", "--prediction_type", "sample"],
      "argument --prediction_type: invalid choice: 'sample'"),
+    (["--pretrained_model_name_or_path", "x", "--train_data_dir", "x", "--report_to", "wandb", "--hub_token", "t"],
+     "--hub_token with --report_to wandb would"),
 ])
 def test_bad_flags_are_rejected_by_the_parser(argv, expected, capsys, monkeypatch):
     monkeypatch.syspath_prepend(str(REPO))
@@ -213,3 +231,68 @@ def test_bad_flags_are_rejected_by_the_parser(argv, expected, capsys, monkeypatc
     with pytest.raises(SystemExit) as exit:
         parse_args(argv)
     assert exit.value.code == 2 and expected in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- real launches
+
+
+def test_deepspeed_zero2_matches_one_process_and_resumes(reference, common, tmp_path):
+    out = tmp_path / "zero2"
+    log = run_script(SCRIPT, common + ["--train_batch_size", "1", "--output_dir", out], num_processes=2, launch_args=zero(2))
+    assert "DeepSpeed clips gradients at norm 0.1" in log
+    for sub in ["checkpoint-6/unet_ema", "unet"]:
+        assert_same_weights(unet_weights(out / sub), unet_weights(reference / sub), **EQUIVALENT)
+    resumed = tmp_path / "zero2-resumed"
+    shutil.copytree(out / "checkpoint-3", resumed / "checkpoint-3")
+    run_script(SCRIPT, common + ["--train_batch_size", "1", "--output_dir", resumed, "--resume_from_checkpoint", "latest"],
+               num_processes=2, launch_args=zero(2))
+    assert_same_weights(unet_weights(resumed / "unet"), unet_weights(out / "unet"))
+    generate(resumed)
+
+
+def test_deepspeed_zero3_trains_validates_resumes_and_saves_a_pipeline(reference, common, tmp_path):
+    no_ema = [a for a in common if a != "--use_ema"]
+    out = tmp_path / "zero3"
+    run_script(SCRIPT, no_ema + ["--train_batch_size", "1", "--output_dir", out, "--validation_prompts", PROMPTS[0]],
+               num_processes=2, launch_args=zero(3))
+    assert_same_weights(unet_weights(out / "unet"), unet_weights(reference / "checkpoint-6" / "unet"), **EQUIVALENT)
+    assert (out / "samples" / "step-6.png").is_file()  # validation with the UNet in shards, on both processes
+    resumed = tmp_path / "zero3-resumed"
+    shutil.copytree(out / "checkpoint-3", resumed / "checkpoint-3")
+    run_script(SCRIPT, no_ema + ["--train_batch_size", "1", "--output_dir", resumed, "--resume_from_checkpoint", "latest"],
+               num_processes=2, launch_args=zero(3))
+    assert_same_weights(unet_weights(resumed / "unet"), unet_weights(out / "unet"))
+    generate(resumed)
+
+
+# ----------------------------------------------------------------------------- the Diffusers example's commands
+
+
+def test_the_diffusers_readme_command_runs_unchanged_and_dream_changes_training(tiny_sd_path, caption_folder, tmp_path):
+    """The example README's command, flag for flag, with our paths, 64 px and 2 steps (fp16 needs a GPU: `no` here).
+    `--dataset_name imagefolder --train_data_dir DIR` is how the example loads a local folder through `datasets`."""
+    def readme(out):
+        return (f"--pretrained_model_name_or_path={tiny_sd_path} --dataset_name=imagefolder --train_data_dir={caption_folder} "
+                f"--use_ema --resolution=64 --center_crop --random_flip --train_batch_size=1 --gradient_accumulation_steps=4 "
+                f"--gradient_checkpointing --max_train_steps=2 --learning_rate=1e-05 --max_grad_norm=1 "
+                f"--enable_xformers_memory_efficient_attention --lr_scheduler=constant --lr_warmup_steps=0 --output_dir={out} "
+                f"--seed=0 --snr_gamma=5.0 --image_interpolation_mode=nearest_exact --non_ema_revision=main --local_rank=0").split()
+
+    log = run_script(SCRIPT, readme(tmp_path / "plain"))
+    assert "xformers is not installed" in log
+    run_script(SCRIPT, readme(tmp_path / "dream") + ["--dream_training", "--dream_detail_preservation=1.0"])
+    plain, dream = unet_weights(tmp_path / "plain" / "unet"), unet_weights(tmp_path / "dream" / "unet")
+    assert any(not torch.equal(plain[k], dream[k]) for k in plain)  # DREAM moved input and target
+    # the model card's command reruns the training: the same weights again
+    card = (tmp_path / "plain" / "README.md").read_text()
+    command = shlex.split(card.split("```bash\n")[1].split("\n")[0])
+    assert command[:3] == ["accelerate", "launch", "train_text_to_image.py"]
+    rerun = [a if not a.startswith("--output_dir=") else f"--output_dir={tmp_path / 'rerun'}" for a in command[3:]]
+    run_script(SCRIPT, rerun)
+    assert_same_weights(unet_weights(tmp_path / "rerun" / "unet"), plain, rtol=0, atol=0)
+
+
+def test_dream_with_v_prediction_is_refused(base, tmp_path):
+    log = run_script(SCRIPT, base + ["--output_dir", tmp_path / "out", "--prediction_type", "v_prediction", "--dream_training"],
+                     expect_fail=True)
+    assert "error: --dream_training needs epsilon prediction" in log and "Steps:" not in log

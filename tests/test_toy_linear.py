@@ -58,9 +58,11 @@ def test_gradient_accumulation_matches_full_batch(reference, tmp_path):
 def test_checkpoint_rotation_and_missing_resume(tmp_path):
     out = tmp_path / "rot"
     _, log = train(out, "--max_train_steps", "60", "--checkpointing_steps", "10", "--checkpoints_total_limit", "2",
-                   "--resume_from_checkpoint", "checkpoint-999")
-    assert "not found; starting a new run" in log
+                   "--resume_from_checkpoint", "latest")
+    assert "No checkpoint in" in log and "starting a new run" in log
     assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-50", "checkpoint-60"]
+    log = run_script("toy_linear.py", ["--output_dir", out, "--resume_from_checkpoint", "checkpoint-999"], expect_fail=True)
+    assert "checkpoint-999 does not exist" in log
 
 
 def test_fp16_on_cpu_is_a_clear_error(tmp_path):

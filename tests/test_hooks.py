@@ -1,0 +1,45 @@
+"""The checkpoint hooks of both diffusion scripts, called with the lists accelerate passes them.
+
+FSDP cannot run on a CPU through accelerate, so these hooks are tested as accelerate calls them: under
+DeepSpeed and FSDP it hands the save hook an empty `weights` list and the load hook an empty `models`
+list (it stores and loads the sharded model itself); under plain and DDP training it hands the weights.
+DeepSpeed itself runs for real in the scripts' own tests.
+"""
+from argparse import Namespace
+
+import pytest
+import torch
+from conftest import REPO
+
+
+@pytest.mark.parametrize("script", ["train_unconditional", "train_text_to_image"])
+def test_hooks_with_the_lists_each_backend_passes(script, tiny_unet_config_path, tiny_sd_path, tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(REPO))
+    from accelerate import Accelerator
+    from diffusers import UNet2DConditionModel, UNet2DModel
+    from diffusers.training_utils import EMAModel
+
+    hooks = __import__(script)
+    if script == "train_unconditional":
+        model = UNet2DModel.from_config(UNet2DModel.load_config(tiny_unet_config_path))
+    else:
+        model = UNet2DConditionModel.from_pretrained(tiny_sd_path, subfolder="unet")
+    accelerator, args = Accelerator(cpu=True), Namespace(foreach_ema=False, offload_ema=False)
+    ema = EMAModel(model.parameters(), model_cls=type(model), model_config=model.config)
+
+    hooks.save_model_hook(accelerator, args, ema, [model], [], tmp_path)  # DeepSpeed / FSDP: no weights to store
+    assert (tmp_path / "unet_ema").is_dir() and not (tmp_path / "unet").exists()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    ema.shadow_params[0].data.add_(1.0)
+    hooks.load_model_hook(accelerator, args, ema, [], tmp_path)  # the backend loaded the model: only the EMA is read
+    assert torch.equal(ema.shadow_params[0], next(model.parameters()).detach())
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+    weights = [model.state_dict()]  # plain and DDP: the UNet goes to unet/ and accelerate's copy is dropped
+    hooks.save_model_hook(accelerator, args, ema, [model], weights, tmp_path)
+    assert weights == [] and (tmp_path / "unet" / "config.json").is_file()
+    with torch.no_grad():
+        next(model.parameters()).add_(1.0)
+    models = [model]
+    hooks.load_model_hook(accelerator, args, ema, models, tmp_path)  # and is loaded back from there
+    assert models == [] and all(torch.equal(before[k], v) for k, v in model.state_dict().items())

@@ -3,8 +3,8 @@
     python benchmarks/speed.py [--steps 40] [--only unconditional|text_to_image]
     python benchmarks/speed.py --startup 100000 [--script OLD_COPY_OF_train_unconditional.py]
 
-unconditional: the config of the Diffusers example's CPU figure (issue #3): UNet (32, 64, 64) from
-configs/unet-digits, 32 px digits, batch 16. text_to_image: the tiny Stable Diffusion pipeline of the
+unconditional: the README demo's UNet (32, 64, 64) from configs/unet-digits, one grey channel, 16 px
+digits, batch 16. text_to_image: the tiny Stable Diffusion pipeline of the
 tests, 64 px captioned digits, batch 4 (issue #4). fp32, one process, all cores.
 
 The bare loop is the step and nothing around it (fixed batch; VAE and text encoder forward passes
@@ -42,7 +42,8 @@ def bare_unconditional(batch_size, steps):
 
     model = UNet2DModel.from_config(UNet2DModel.load_config(REPO / "configs" / "unet-digits"))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    x, noise, t = torch.randn(batch_size, 3, 32, 32), torch.randn(batch_size, 3, 32, 32), torch.randint(0, 1000, (batch_size,))
+    shape = (batch_size, model.config.in_channels, 16, 16)
+    x, noise, t = torch.randn(shape), torch.randn(shape), torch.randint(0, 1000, (batch_size,))
 
     def step():
         torch.nn.functional.mse_loss(model(x, t).sample, noise).backward()
@@ -131,11 +132,11 @@ def main():
         print(f"{args.script}: {startup_seconds(args.script, args.startup):.1f} s to the first step on {args.startup} images")
         return
     if args.only != "text_to_image":
-        print("train_unconditional.py: UNet (32, 64, 64), 32 px, batch 16")
+        print("train_unconditional.py: the demo's UNet (32, 64, 64), 16 px grey digits, batch 16")
         bare = bare_unconditional(16, args.steps)
         report("bare loop", bare, bare)
         common = ["--train_data_dir", REPO / "data" / "digits", "--model_config_name_or_path", REPO / "configs" / "unet-digits",
-                  "--resolution", "32", "--train_batch_size", "16", "--save_images_epochs", "100000",
+                  "--resolution", "16", "--train_batch_size", "16", "--save_images_epochs", "100000",
                   "--ddpm_num_inference_steps", "1", "--eval_batch_size", "1"]
         for name, extra in [("script", []), ("script --use_ema", ["--use_ema"]),
                             ("script --use_ema --random_flip", ["--use_ema", "--random_flip"])]:

@@ -260,6 +260,17 @@ def test_deepspeed_zero3_trains_validates_resumes_and_saves_whole(reference, com
     assert_same_weights(unet_weights(resumed / "unet"), unet_weights(out / "unet"))
 
 
+def test_deepspeed_bf16_feeds_the_model_its_own_dtype(label_folder, tiny_unet_config_path, tmp_path):
+    """DeepSpeed casts the UNet to bf16 and adds no autocast: fp32 inputs would fail in its first layer."""
+    out = tmp_path / "bf16"
+    run_script(SCRIPT, ["--train_data_dir", label_folder, "--model_config_name_or_path", tiny_unet_config_path,
+                        "--resolution", "32", "--output_dir", out, "--train_batch_size", "1", "--max_train_steps", "2",
+                        "--ddpm_num_inference_steps", "2", "--eval_batch_size", "2", "--report_to", "none"],
+               num_processes=2, launch_args=[*zero(2), "--mixed_precision", "bf16"])
+    assert (out / "samples" / "step-2.png").is_file()
+    assert {w.dtype for w in unet_weights(out / "unet").values()} == {torch.bfloat16}  # DeepSpeed's module, as trained
+
+
 @pytest.mark.parametrize("launch, extra, expected", [
     (zero(3), ["--use_ema"], "--use_ema needs whole weights on each process"),
     (zero(2)[:-1] + ["3"], [], "with `accelerate launch --zero3_save_16bit_model true`"),

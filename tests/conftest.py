@@ -334,6 +334,16 @@ STABLE_ADAM = ["--adam_epsilon", "1e-4"]
 EQUIVALENT = dict(rtol=1e-4, atol=1e-5)
 
 
+def assert_resumes_exactly(script, args, out, checkpoint, **launch):
+    """As if the run in `out` had stopped after `checkpoint`: copy that alone to a new output_dir, resume there with
+    the same `args` and launch, and compare the final UNet with the uninterrupted run's. Returns the new folder."""
+    resumed = out.with_name(out.name + "-resumed")
+    shutil.copytree(out / checkpoint, resumed / checkpoint)
+    run_script(script, [*args, "--output_dir", resumed, "--resume_from_checkpoint", "latest"], **launch)
+    assert_same_weights(unet_weights(resumed / "unet"), unet_weights(out / "unet"))
+    return resumed
+
+
 def checkpoints(out):
     return sorted((p.name for p in out.glob("checkpoint-*")), key=lambda n: int(n.split("-")[1]))
 

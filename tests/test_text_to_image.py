@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import (CORRUPT_FILE, EQUIVALENT, REPO, STABLE_ADAM, assert_same_weights, checkpoints, run_script,
+from conftest import (CORRUPT_FILE, EQUIVALENT, REPO, STABLE_ADAM, assert_resumes_exactly, assert_same_weights, checkpoints, run_script,
                       snapshot, unet_weights, write_imagefolder, zero)
 from PIL import Image
 from safetensors.torch import load_file
@@ -242,12 +242,8 @@ def test_deepspeed_zero2_matches_one_process_and_resumes(reference, common, tmp_
     assert "DeepSpeed clips gradients at norm 0.1" in log
     for sub in ["checkpoint-6/unet_ema", "unet"]:
         assert_same_weights(unet_weights(out / sub), unet_weights(reference / sub), **EQUIVALENT)
-    resumed = tmp_path / "zero2-resumed"
-    shutil.copytree(out / "checkpoint-3", resumed / "checkpoint-3")
-    run_script(SCRIPT, common + ["--train_batch_size", "1", "--output_dir", resumed, "--resume_from_checkpoint", "latest"],
-               num_processes=2, launch_args=zero(2))
-    assert_same_weights(unet_weights(resumed / "unet"), unet_weights(out / "unet"))
-    generate(resumed)
+    generate(assert_resumes_exactly(SCRIPT, common + ["--train_batch_size", "1"], out, "checkpoint-3", num_processes=2,
+                                    launch_args=zero(2)))
 
 
 def test_deepspeed_zero3_trains_validates_resumes_and_saves_a_pipeline(reference, common, tmp_path):
@@ -257,12 +253,8 @@ def test_deepspeed_zero3_trains_validates_resumes_and_saves_a_pipeline(reference
                num_processes=2, launch_args=zero(3))
     assert_same_weights(unet_weights(out / "unet"), unet_weights(reference / "checkpoint-6" / "unet"), **EQUIVALENT)
     assert (out / "samples" / "step-6.png").is_file()  # validation with the UNet in shards, on both processes
-    resumed = tmp_path / "zero3-resumed"
-    shutil.copytree(out / "checkpoint-3", resumed / "checkpoint-3")
-    run_script(SCRIPT, no_ema + ["--train_batch_size", "1", "--output_dir", resumed, "--resume_from_checkpoint", "latest"],
-               num_processes=2, launch_args=zero(3))
-    assert_same_weights(unet_weights(resumed / "unet"), unet_weights(out / "unet"))
-    generate(resumed)
+    generate(assert_resumes_exactly(SCRIPT, no_ema + ["--train_batch_size", "1"], out, "checkpoint-3", num_processes=2,
+                                    launch_args=zero(3)))
 
 
 # ----------------------------------------------------------------------------- the Diffusers example's commands

@@ -6,7 +6,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import (CORRUPT_FILE, EQUIVALENT, REPO, STABLE_ADAM, assert_same_weights, checkpoints, run_script,
+from conftest import (CORRUPT_FILE, EQUIVALENT, REPO, STABLE_ADAM, assert_resumes_exactly, assert_same_weights, checkpoints, run_script,
                       seed_logged, snapshot, truncate, unet_weights, write_imagefolder, zero)
 from PIL import Image
 
@@ -235,11 +235,7 @@ def test_deepspeed_zero2_matches_one_process_clips_and_resumes(reference, common
     # the same schedule, clipping and EMA as one process with the same global batch
     assert_same_weights(unet_weights(out / "checkpoint-8" / "unet_ema"), unet_weights(reference / "checkpoint-8" / "unet_ema"), **EQUIVALENT)
     assert_same_weights(unet_weights(out / "unet"), unet_weights(reference / "unet"), **EQUIVALENT)
-    resumed = tmp_path / "zero2-resumed"
-    shutil.copytree(out / "checkpoint-4", resumed / "checkpoint-4")
-    run_script(SCRIPT, common + ["--train_batch_size", "1", "--output_dir", resumed, "--resume_from_checkpoint", "latest"],
-               num_processes=2, launch_args=zero(2))
-    assert_same_weights(unet_weights(resumed / "unet"), unet_weights(out / "unet"))
+    assert_resumes_exactly(SCRIPT, common + ["--train_batch_size", "1"], out, "checkpoint-4", num_processes=2, launch_args=zero(2))
 
 
 def test_deepspeed_zero3_trains_validates_resumes_and_saves_whole(reference, common, tmp_path):
@@ -253,11 +249,7 @@ def test_deepspeed_zero3_trains_validates_resumes_and_saves_whole(reference, com
     assert (out / "samples" / "step-3.png").is_file()  # validation ran with the model in shards, on both processes
     pipe = DDPMPipeline.from_pretrained(out)
     assert np.isfinite(pipe(batch_size=1, num_inference_steps=2, output_type="np").images).all()
-    resumed = tmp_path / "zero3-resumed"
-    shutil.copytree(out / "checkpoint-4", resumed / "checkpoint-4")
-    run_script(SCRIPT, no_ema + ["--train_batch_size", "1", "--output_dir", resumed, "--resume_from_checkpoint", "latest"],
-               num_processes=2, launch_args=zero(3))
-    assert_same_weights(unet_weights(resumed / "unet"), unet_weights(out / "unet"))
+    assert_resumes_exactly(SCRIPT, no_ema + ["--train_batch_size", "1"], out, "checkpoint-4", num_processes=2, launch_args=zero(3))
 
 
 def test_deepspeed_bf16_feeds_the_model_its_own_dtype(label_folder, tiny_unet_config_path, tmp_path):

@@ -316,7 +316,6 @@ def main(args):
             noisy_latents = noise_scheduler.add_noise(latents, noise + batch["perturbation"], timesteps)
 
             with accelerator.accumulate(model):
-                model_output = model(noisy_latents.to(input_dtype), timesteps, encoder_hidden_states.to(input_dtype), return_dict=False)[0]
                 if noise_scheduler.config.prediction_type == "epsilon":
                     target = noise
                 else:  # v = √ᾱ_t·ε − √(1−ᾱ_t)·z_0
@@ -325,6 +324,7 @@ def main(args):
                     noisy_latents, target = compute_dream_and_update_latents(
                         model, noise_scheduler, timesteps, noise, noisy_latents.to(input_dtype), target,
                         encoder_hidden_states.to(input_dtype), args.dream_detail_preservation)
+                model_output = model(noisy_latents.to(input_dtype), timesteps, encoder_hidden_states.to(input_dtype), return_dict=False)[0]
                 # the same loss as Algorithm 1, now on latents; one value per image so it can be weighted
                 loss = F.mse_loss(model_output.float(), target.float(), reduction="none").mean(dim=[1, 2, 3])
                 loss = (loss * snr_loss_weights(noise_scheduler, timesteps, args)).mean()

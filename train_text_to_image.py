@@ -27,6 +27,7 @@ import sys
 import time
 from datetime import timedelta
 from functools import partial
+from pathlib import Path
 
 import datasets
 import numpy as np
@@ -58,8 +59,6 @@ SHARDING = (DistributedType.DEEPSPEED, DistributedType.FSDP)  # backends that st
 SPLIT_NAMES = {"train", "training", "test", "testing", "eval", "evaluation", "valid", "validation", "val", "dev"}
 FULL_IMAGE_CHECK = 10_000  # datasets up to this size are decoded in full before training; larger ones as they load
 INTERPOLATIONS = [mode.name.lower() for mode in transforms.InterpolationMode]  # the example's spelling: nearest_exact
-PIPELINE_PARTS = {"scheduler": "scheduler_config.json", "tokenizer": "tokenizer_config.json",
-                  "text_encoder": "config.json", "vae": "config.json", "unet": "config.json"}
 
 
 # 1. Arguments: the Diffusers example's flags and defaults, so existing commands work unchanged
@@ -74,6 +73,8 @@ def parse_args(argv=None):
     p.add_argument("--train_data_dir", default=None, help="A `datasets` imagefolder (used if no --dataset_name).")
     p.add_argument("--image_column", default="image", help="The dataset column that holds the images.")
     p.add_argument("--caption_column", default="text", help="The column with a caption or a list of captions.")
+    p.add_argument("--caption_extension", default=".txt", help="Without a caption column: the caption file beside each image.")
+    p.add_argument("--instance_prompt", default=None, help='The caption of every image, e.g. "a photo of sks dog".')
     p.add_argument("--max_train_samples", type=int, default=None, help="Train on a seeded random subset.")
     p.add_argument("--validation_prompts", nargs="+", default=None)
     p.add_argument("--validation_epochs", type=int, default=5, help="Sample the validation prompts every N epochs.")
@@ -211,16 +212,17 @@ def main(args):
     # 4. Data: a hub dataset or a local imagefolder with captions; images resized, cropped, flipped, scaled
     #    to [-1, 1]; captions tokenized to the text encoder's fixed length
     train_dataset = load_train_dataset(args)
-    for column, flag in [(args.image_column, "--image_column"), (args.caption_column, "--caption_column")]:
-        if column not in train_dataset.column_names:
-            raise SystemExit(f"error: {flag} '{column}' is not in the dataset; its columns are {train_dataset.column_names}")
+    if args.image_column not in train_dataset.column_names:
+        raise SystemExit(f"error: --image_column '{args.image_column}' is not in the dataset; its columns are {train_dataset.column_names}")
     # decoded by preprocess_train, so that a broken file is reported by name rather than deep inside `datasets`
     train_dataset = train_dataset.cast_column(args.image_column, datasets.Image(decode=False))
+    with accelerator.main_process_first():  # the main process reads caption files first; the others reuse its cache
+        train_dataset = add_captions(train_dataset, args)
     train_dataset = train_dataset.add_column(ROW, np.arange(len(train_dataset)))  # before any subset: no rewrite
     if args.max_train_samples is not None:
         train_dataset = train_dataset.shuffle(seed=args.seed).select(range(min(args.max_train_samples, len(train_dataset))))
-    if accelerator.is_local_main_process:
-        check_captions(train_dataset, args.caption_column)
+    if accelerator.is_local_main_process and args.instance_prompt is None:
+        check_captions(train_dataset, args)
     if len(train_dataset) <= FULL_IMAGE_CHECK and accelerator.is_local_main_process:
         check_images(train_dataset, args.image_column)
     train_transforms = transforms.Compose([
@@ -438,7 +440,8 @@ def preprocess_train(examples, args, train_transforms, tokenizer, num_train_time
     (the dataloader reads a batch ahead, which would shift a shared stream)."""
     columns = {"pixel_values": [], "captions": [], "noise": [], "perturbation": [], "timesteps": [], "latent_noise": [],
                "unreadable": []}
-    for item, caption, row in zip(examples[args.image_column], examples[args.caption_column], examples[ROW]):
+    captions = examples[args.caption_column] if args.instance_prompt is None else [args.instance_prompt] * len(examples[ROW])
+    for item, caption, row in zip(examples[args.image_column], captions, examples[ROW]):
         image = open_image(item)
         columns["unreadable"].append("" if image is not None else item["path"] or f"row {row}")  # the loop stops on it
         with torch.random.fork_rng(devices=[]):
@@ -457,14 +460,11 @@ def preprocess_train(examples, args, train_transforms, tokenizer, num_train_time
 
 
 def check_pipeline_folder(path):
-    """A local base model must be a Stable Diffusion pipeline folder: say which part is missing."""
-    if not os.path.isdir(path):
-        if path.startswith(("/", ".", "~")):
-            raise SystemExit(f"error: --pretrained_model_name_or_path {path} is not a folder")
-        return  # a hub id
-    for part, config in PIPELINE_PARTS.items():
-        if not os.path.isfile(os.path.join(path, part, config)):
-            raise SystemExit(f"error: --pretrained_model_name_or_path {path} is not a Stable Diffusion pipeline: no {part}/{config}")
+    """A local base model must be a diffusers pipeline folder; anything else is a hub id."""
+    if path.startswith(("/", ".", "~")) and not os.path.isdir(path):
+        raise SystemExit(f"error: --pretrained_model_name_or_path {path} is not a folder")
+    if os.path.isdir(path) and not os.path.isfile(os.path.join(path, "model_index.json")):
+        raise SystemExit(f"error: --pretrained_model_name_or_path {path} is not a Stable Diffusion pipeline: no model_index.json")
 
 
 def snr_loss_weights(noise_scheduler, timesteps, args):
@@ -497,11 +497,35 @@ def load_train_dataset(args):
     return dataset
 
 
-def check_captions(dataset, column):
-    """Every caption must be a string or a non-empty list of strings; name the first row that is not."""
-    for i, caption in enumerate(dataset[column]):
+def add_captions(dataset, args):
+    """Captions come from --instance_prompt (every image), else the caption column (metadata.jsonl or a hub
+    dataset), else a text file beside each image (0001.png + 0001.txt, kohya's layout), read once into that column."""
+    if args.instance_prompt is not None:
+        logger.info(f'Every image is captioned "{args.instance_prompt}" (--instance_prompt)')
+    elif args.caption_column not in dataset.column_names and args.dataset_name is None:
+        dataset = dataset.map(read_caption_files, input_columns=args.image_column, batched=True, desc="Reading captions",
+                              fn_kwargs={"column": args.caption_column, "extension": args.caption_extension})
+    elif args.caption_column not in dataset.column_names:
+        raise SystemExit(f"error: --caption_column '{args.caption_column}' is not in the dataset; its columns are "
+                         f"{dataset.column_names} (or give --instance_prompt)")
+    return dataset
+
+
+def read_caption_files(items, column, extension):
+    paths = [os.path.splitext(item["path"] or "")[0] + extension for item in items]
+    return {column: [Path(path).read_text(encoding="utf-8").strip() if os.path.isfile(path) else None for path in paths]}
+
+
+def check_captions(dataset, args):
+    """Every image needs a caption: a string or a non-empty list of strings. Name the first row that has none."""
+    for i, caption in enumerate(dataset[args.caption_column]):
+        if caption is None:  # no caption file beside it
+            path = dataset[i][args.image_column]["path"]
+            raise SystemExit(f"error: image {path} has no caption: add a metadata.jsonl with a '{args.caption_column}' column, "
+                             f"a caption file beside each image ({os.path.splitext(path)[0] + args.caption_extension}; see "
+                             "--caption_extension), or give --instance_prompt")
         if not (isinstance(caption, str) or (isinstance(caption, list) and caption and all(isinstance(c, str) for c in caption))):
-            raise SystemExit(f"error: --caption_column '{column}' row {i} is {caption!r}: give a string or a list of strings")
+            raise SystemExit(f"error: --caption_column '{args.caption_column}' row {i} is {caption!r}: give a string or a list of strings")
 
 
 def open_image(item):

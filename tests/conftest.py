@@ -98,6 +98,30 @@ def run_script(script, args, *, num_processes=1, launch_args=(), expect_fail=Fal
     return log
 
 
+@pytest.fixture
+def run_in_process(monkeypatch, capsys):
+    """Run a script's main() in this process, for inputs that must stop it with one clear error before training;
+    return the error and what it printed. A second each, where a launched process spends ten on its imports."""
+    monkeypatch.syspath_prepend(str(REPO))
+
+    def run(script, args):
+        import importlib
+
+        from accelerate.state import AcceleratorState
+
+        module = importlib.import_module(Path(script).stem)
+        try:
+            with pytest.raises(SystemExit) as stop:
+                module.main(module.parse_args([str(a) for a in args]))
+        finally:
+            AcceleratorState._reset_state(reset_partial_state=True)  # the next run builds its own Accelerator
+        assert stop.value.code not in (0, None)
+        captured = capsys.readouterr()
+        return f"{stop.value.code}\n{captured.out}{captured.err}"
+
+    return run
+
+
 # ----------------------------------------------------------------------------- image folders
 
 

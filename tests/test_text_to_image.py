@@ -195,7 +195,7 @@ def number_caption_folder(tmp_path_factory):
 def test_bad_input_is_one_clear_error(case, victim, base, tmp_path, caption_folder, nocaption_folder,
                                       corrupt_image_folder, number_caption_folder, sample_predicting_sd):
     extra, expected = {
-        "not_a_pipeline": (["--pretrained_model_name_or_path", caption_folder], "is not a Stable Diffusion pipeline: no scheduler/"),
+        "not_a_pipeline": (["--pretrained_model_name_or_path", caption_folder], "is not a Stable Diffusion pipeline: no model_index.json"),
         "no_such_model": (["--pretrained_model_name_or_path", str(tmp_path / "nowhere")], "nowhere is not a folder"),
         "no_image_column": (["--image_column", "img"], "--image_column 'img' is not in the dataset; its columns are ['image', 'text', 'label']"),
         "no_caption_column": (["--train_data_dir", nocaption_folder], "--caption_column 'text' is not in the dataset; its columns are ['image', 'label']"),

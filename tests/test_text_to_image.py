@@ -192,13 +192,13 @@ def number_caption_folder(tmp_path_factory):
 
 @pytest.mark.parametrize("case", ["not_a_pipeline", "no_such_model", "no_image_column", "no_caption_column", "caption_type", "corrupt",
                                   "resolution", "resume", "resume_missing", "resume_foreign", "sample_prediction", "fp16_on_cpu"])
-def test_bad_input_is_one_clear_error(case, victim, base, tmp_path, caption_folder, nocaption_folder,
+def test_bad_input_is_one_clear_error(case, victim, base, tmp_path, caption_folder, nocaption_folder, run_in_process,
                                       corrupt_image_folder, number_caption_folder, sample_predicting_sd):
     extra, expected = {
         "not_a_pipeline": (["--pretrained_model_name_or_path", caption_folder], "is not a Stable Diffusion pipeline: no model_index.json"),
         "no_such_model": (["--pretrained_model_name_or_path", str(tmp_path / "nowhere")], "nowhere is not a folder"),
         "no_image_column": (["--image_column", "img"], "--image_column 'img' is not in the dataset; its columns are ['image', 'text', 'label']"),
-        "no_caption_column": (["--train_data_dir", nocaption_folder], "--caption_column 'text' is not in the dataset; its columns are ['image', 'label']"),
+        "no_caption_column": (["--train_data_dir", nocaption_folder], "has no caption: add a metadata.jsonl with a 'text' column, a caption file beside each image"),
         "caption_type": (["--train_data_dir", number_caption_folder], "--caption_column 'text' row 0 is 0: give a string or a list of strings"),
         "corrupt": (["--train_data_dir", corrupt_image_folder], CORRUPT_FILE),
         "resolution": (["--resolution", "60"], "--resolution 60 must be a multiple of 8, the VAE's downsampling factor"),
@@ -210,7 +210,7 @@ def test_bad_input_is_one_clear_error(case, victim, base, tmp_path, caption_fold
         "fp16_on_cpu": (["--mixed_precision", "fp16"], "--mixed_precision fp16 needs a GPU; on a CPU use bf16 or no"),
     }[case]
     before = snapshot(victim)
-    log = run_script(SCRIPT, base + ["--output_dir", victim, *extra], expect_fail=True)
+    log = run_in_process(SCRIPT, base + ["--output_dir", victim, *extra])
     assert expected in log
     assert "Steps:" not in log
     assert snapshot(victim) == before
@@ -284,7 +284,52 @@ def test_the_diffusers_readme_command_runs_unchanged_and_dream_changes_training(
     assert_same_weights(unet_weights(tmp_path / "rerun" / "unet"), plain, rtol=0, atol=0)
 
 
-def test_dream_with_v_prediction_is_refused(base, tmp_path):
-    log = run_script(SCRIPT, base + ["--output_dir", tmp_path / "out", "--prediction_type", "v_prediction", "--dream_training"],
-                     expect_fail=True)
+def test_dream_with_v_prediction_is_refused(base, tmp_path, run_in_process):
+    log = run_in_process(SCRIPT, base + ["--output_dir", tmp_path / "out", "--prediction_type", "v_prediction", "--dream_training"])
     assert "error: --dream_training needs epsilon prediction" in log and "Steps:" not in log
+
+
+@pytest.mark.parametrize("script", ["train_text_to_image", "train_lora"])
+def test_captions_come_from_the_instance_prompt_else_metadata_else_caption_files(script, caption_folder, tiny_sd_path, tmp_path,
+                                                                                  monkeypatch):
+    """The two scripts read data alike: one --instance_prompt for every image, else metadata.jsonl, else a .txt beside
+    each image (kohya's layout)."""
+    monkeypatch.syspath_prepend(str(REPO))
+    from datasets import Image as ImageFeature
+    from transformers import CLIPTokenizer
+
+    from accelerate import PartialState
+
+    module = __import__(script)
+    PartialState()  # the scripts log through accelerate
+    both, files_only = tmp_path / "both", tmp_path / "files_only"
+    for folder in (both, files_only):
+        shutil.copytree(caption_folder, folder)
+        for png in folder.glob("*.png"):
+            png.with_suffix(".caption").write_text(f"file caption {png.stem}\n")
+    (files_only / "metadata.jsonl").unlink()
+
+    def captions(folder, *flags):
+        args = module.parse_args(["--pretrained_model_name_or_path", tiny_sd_path, "--train_data_dir", str(folder),
+                                  "--caption_extension", ".caption", "--seed", "0", *flags])
+        dataset = module.load_train_dataset(args).cast_column("image", ImageFeature(decode=False))
+        return args, module.add_captions(dataset, args)
+
+    _, dataset = captions(both)
+    expected = [json.loads(line)["text"] for line in (both / "metadata.jsonl").read_text().splitlines()]
+    assert sorted(dataset["text"]) == sorted(expected)
+    _, dataset = captions(files_only)
+    assert dataset["text"] == [f"file caption {Path(item['path']).stem}" for item in dataset["image"]]
+
+    args, dataset = captions(both, "--instance_prompt", "a photo of sks digit")
+    dataset = dataset.add_column(module.ROW, np.arange(len(dataset)))
+    tokenizer = CLIPTokenizer.from_pretrained(tiny_sd_path, subfolder="tokenizer")
+    batch = module.preprocess_train(dataset[:3], args, transforms_to_tensor(), tokenizer, 1000, (4, 8, 8), epoch=0)
+    prompt_ids = tokenizer("a photo of sks digit", max_length=77, padding="max_length", return_tensors="pt").input_ids[0]
+    assert all(torch.equal(ids, prompt_ids) for ids in batch["input_ids"])
+
+
+def transforms_to_tensor():
+    from torchvision import transforms
+
+    return transforms.Compose([transforms.Resize(64), transforms.CenterCrop(64), transforms.ToTensor()])

@@ -128,7 +128,7 @@ def truncated_jpeg_folder(tmp_path_factory):
 
 @pytest.mark.parametrize("case", ["empty", "no_such_dir", "column", "corrupt", "truncated_jpeg", "resume", "resume_missing",
                                   "resume_damaged", "resume_foreign", "resume_seed", "resume_launch", "resolution"])
-def test_bad_input_is_one_clear_error(case, victim, tiny_unet_config_path, label_folder, empty_folder,
+def test_bad_input_is_one_clear_error(case, victim, tiny_unet_config_path, label_folder, empty_folder, run_in_process,
                                       corrupt_image_folder, truncated_jpeg_folder):
     data = {"empty": empty_folder, "no_such_dir": str(victim / "nowhere"), "corrupt": corrupt_image_folder,
             "truncated_jpeg": truncated_jpeg_folder}
@@ -148,9 +148,8 @@ def test_bad_input_is_one_clear_error(case, victim, tiny_unet_config_path, label
         "resolution": (["--resolution", "33"], "--resolution 33 must be a multiple of 2"),
     }[case]
     before = snapshot(victim)
-    log = run_script(SCRIPT, ["--train_data_dir", data.get(case, label_folder), "--model_config_name_or_path",
-                              tiny_unet_config_path, "--resolution", "32", "--output_dir", victim, *extra],
-                     expect_fail=True)
+    log = run_in_process(SCRIPT, ["--train_data_dir", data.get(case, label_folder), "--model_config_name_or_path",
+                                  tiny_unet_config_path, "--resolution", "32", "--output_dir", victim, *extra])
     assert expected in log
     assert "Steps:" not in log  # failed before training started
     assert snapshot(victim) == before
@@ -360,9 +359,9 @@ def test_the_diffusers_readme_command_runs_unchanged(label_folder, tiny_unet_con
     assert "loss" in events.Tags()["scalars"] and "test_samples" in events.Tags()["images"]  # the example's names
 
 
-def test_push_to_hub_offline_fails_before_training(label_folder, tiny_unet_config_path, tmp_path):
-    log = run_script(SCRIPT, ["--train_data_dir", label_folder, "--model_config_name_or_path", tiny_unet_config_path,
-                              "--resolution", "32", "--output_dir", tmp_path / "out", "--push_to_hub"], expect_fail=True)
+def test_push_to_hub_offline_fails_before_training(label_folder, tiny_unet_config_path, tmp_path, run_in_process):
+    log = run_in_process(SCRIPT, ["--train_data_dir", label_folder, "--model_config_name_or_path", tiny_unet_config_path,
+                                  "--resolution", "32", "--output_dir", tmp_path / "out", "--push_to_hub"])
     assert "error: --push_to_hub: could not create the hub repo: OfflineModeIsEnabled" in log and "Steps:" not in log
 
 

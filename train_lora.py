@@ -62,7 +62,6 @@ SPLIT_NAMES = {"train", "training", "test", "testing", "eval", "evaluation", "va
 FULL_IMAGE_CHECK = 10_000  # datasets up to this size are decoded in full before training; larger ones as they load
 INTERPOLATIONS = [mode.name.lower() for mode in transforms.InterpolationMode]  # the example's spelling: nearest_exact
 TEXT_ENCODER_TARGETS = ["q_proj", "k_proj", "v_proj", "out_proj"]  # CLIP's attention projections
-LORA_FILE = "pytorch_lora_weights.safetensors"  # the name load_lora_weights looks for
 
 
 # 1. Arguments: the Diffusers example's flags and defaults, so existing commands work unchanged
@@ -198,14 +197,10 @@ def main(args):
     downsampling = 2 ** (len(vae.config.block_out_channels) - 1)
     if args.resolution % downsampling:
         raise SystemExit(f"error: --resolution {args.resolution} must be a multiple of {downsampling}, the VAE's downsampling factor.")
-    vae.requires_grad_(False)
-    text_encoder.requires_grad_(False)
-    model.requires_grad_(False)
-    # Frozen weights are stored in the mixed-precision dtype: half the memory, and nothing of them is learned
+    # All three are frozen and stored in the mixed-precision dtype: half the memory, and nothing of them is learned
     weight_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(accelerator.mixed_precision, torch.float32)
-    vae.to(accelerator.device, dtype=weight_dtype)
-    text_encoder.to(accelerator.device, dtype=weight_dtype)
-    model.to(accelerator.device, dtype=weight_dtype)
+    for frozen in (vae, text_encoder, model):
+        frozen.requires_grad_(False).to(accelerator.device, dtype=weight_dtype)
     # A and B start as Gaussian and zero (diffusers' recipe): W' = W at step 0. α/r scales the update, so with
     # alpha = rank a learning rate means the same at any rank.
     lora = dict(r=args.rank, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout, init_lora_weights="gaussian")
@@ -293,8 +288,6 @@ def main(args):
     input_dtype = accelerator.unwrap_model(model).dtype if accelerator.distributed_type == DistributedType.DEEPSPEED else torch.float32
     if is_compiled_module(model) or has_compiled_regions(model):
         logger.info(f"The model is compiled with torch.compile ({accelerator.state.dynamo_plugin.backend.value.lower()})")
-    if args.use_ema:
-        ema_model.to(accelerator.device)
 
     # 6. Checkpoint hooks and resume. With plain or DDP training accelerate hands the hooks the weights to store:
     #    they write the LoRA weights alone, as the file load_lora_weights reads, and pop the weights so the frozen
@@ -413,13 +406,10 @@ def main(args):
 
 
 def create_hub_repo(args):
-    """With --push_to_hub the repo is created now, so that no network, offline mode or a bad token fails before
-    training rather than after it."""
-    if not args.push_to_hub:
-        return None
+    """With --push_to_hub the repo is created now: no network, offline mode or a bad token fails before training."""
     try:
         return create_repo(args.hub_model_id or os.path.basename(os.path.abspath(args.output_dir)), exist_ok=True,
-                           token=args.hub_token, private=args.hub_private_repo).repo_id
+                           token=args.hub_token, private=args.hub_private_repo).repo_id if args.push_to_hub else None
     except Exception as e:
         raise SystemExit(f"error: --push_to_hub: could not create the hub repo: {type(e).__name__}: {e}") from None
 

@@ -2,6 +2,7 @@
 
     python benchmarks/speed.py [--steps 40] [--only unconditional|text_to_image]
     python benchmarks/speed.py --startup 100000 [--script OLD_COPY_OF_train_unconditional.py]
+    python benchmarks/speed.py --official ../shared/reference/diffusers_examples [--repeats 3]
 
 unconditional: the README demo's UNet (32, 64, 64) from configs/unet-digits, one grey channel, 16 px
 digits, batch 16. text_to_image: the tiny Stable Diffusion pipeline of the
@@ -10,6 +11,11 @@ tests, 64 px captioned digits, batch 4 (issue #4). fp32, one process, all cores.
 The bare loop is the step and nothing around it (one fixed batch of real images; VAE and text encoder
 forward passes included for text-to-image): the ceiling for any script on that model. A script's figure is the median
 of the img/s it logs per step, skipping the first 5. Run it on an otherwise idle machine.
+
+--official DIR times our scripts and the Diffusers examples in DIR on the same config, alternating which goes first:
+each is run for a short and a long length, and its rate is the extra images of the long run over its extra wall-clock
+seconds, so start-up, loading and the final save cancel out. The same tiny models as above, in RGB for the
+unconditional pair (the example always trains 3 channels).
 """
 import argparse
 import os
@@ -128,6 +134,46 @@ def startup_seconds(script, rows, repeats=3):
     return statistics.median(times[1:])
 
 
+def wall_seconds(script, args):
+    with tempfile.TemporaryDirectory() as out:
+        start = time.perf_counter()
+        subprocess.run([sys.executable, str(script), *map(str, args), "--output_dir", out], check=True, capture_output=True,
+                       env={**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"})
+        return time.perf_counter() - start
+
+
+def official_ratios(examples, repeats):
+    """Ours against the Diffusers example each follows: img/s from the difference of a short and a long run."""
+    from diffusers import UNet2DModel
+
+    with tempfile.TemporaryDirectory() as tmp:
+        Path(tmp, "vocab").mkdir()
+        pipeline = build_tiny_sd(Path(tmp, "vocab"), Path(tmp, "sd"))
+        data = write_imagefolder(Path(tmp, "data"), 64)
+        UNet2DModel(sample_size=32, layers_per_block=1, block_out_channels=(16, 32), down_block_types=("DownBlock2D", "AttnDownBlock2D"),
+                    up_block_types=("AttnUpBlock2D", "UpBlock2D"), norm_num_groups=8).save_config(Path(tmp, "unet"))
+        sd = ["--pretrained_model_name_or_path", pipeline, "--train_data_dir", data, "--resolution", "64", "--train_batch_size", "4",
+              "--checkpointing_steps", "100000", "--seed", "0"]
+        pairs = [  # ours, the example, the common flags, the flag that sets the length, images per unit of length, lengths
+            ("train_unconditional.py", "train_unconditional.py",
+             ["--train_data_dir", data, "--model_config_name_or_path", Path(tmp, "unet"), "--resolution", "32", "--train_batch_size", "16",
+              "--save_images_epochs", "100000", "--save_model_epochs", "100000", "--ddpm_num_inference_steps", "1", "--eval_batch_size", "1",
+              "--checkpointing_steps", "100000"], "--num_epochs", 64, (2, 82)),
+            ("train_text_to_image.py", "train_text_to_image.py", sd, "--max_train_steps", 4, (5, 305)),
+            ("train_lora.py", "train_text_to_image_lora.py", sd, "--max_train_steps", 4, (5, 305)),
+        ]
+        for ours, theirs, common, flag, images, (short, long) in pairs:
+            times = {}
+            for repeat in range(repeats):
+                for script in [REPO / ours, Path(examples) / theirs][:: 1 if repeat % 2 == 0 else -1]:  # alternate the order
+                    for n in (short, long):
+                        times.setdefault((script, n), []).append(wall_seconds(script, common + [flag, n]))
+            rate = {script: (long - short) * images / (statistics.median(times[script, long]) - statistics.median(times[script, short]))
+                    for script in [REPO / ours, Path(examples) / theirs]}
+            print(f"  {ours:24s} {rate[REPO / ours]:6.1f} img/s   example {theirs:30s} {rate[Path(examples) / theirs]:6.1f} img/s"
+                  f"   ours/theirs {rate[REPO / ours] / rate[Path(examples) / theirs]:.2f}")
+
+
 def report(name, figure, bare):
     print(f"  {name:42s} {figure:6.1f} img/s  ({figure / bare:.2f} of the bare loop)")
 
@@ -138,8 +184,13 @@ def main():
     p.add_argument("--only", choices=["unconditional", "text_to_image"])
     p.add_argument("--startup", type=int, metavar="ROWS", help="Time to the first step on ROWS tiny images instead.")
     p.add_argument("--script", default=REPO / "train_unconditional.py", help="The script whose startup is timed.")
+    p.add_argument("--official", metavar="DIR", help="Compare with the Diffusers examples in DIR instead.")
+    p.add_argument("--repeats", type=int, default=3, help="With --official: runs of each length per script.")
     args = p.parse_args()
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    if args.official:
+        official_ratios(args.official, args.repeats)
+        return
     if args.startup:
         print(f"{args.script}: {startup_seconds(args.script, args.startup):.1f} s to the first step on {args.startup} images")
         return

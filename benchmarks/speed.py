@@ -3,6 +3,7 @@
     python benchmarks/speed.py [--steps 40] [--only unconditional|text_to_image]
     python benchmarks/speed.py --startup 100000 [--script OLD_COPY_OF_train_unconditional.py]
     python benchmarks/speed.py --official ../shared/reference/diffusers_examples [--repeats 3]
+    python benchmarks/speed.py --compile [--steps 100]
 
 unconditional: the README demo's UNet (32, 64, 64) from configs/unet-digits, one grey channel, 16 px
 digits, batch 16. text_to_image: the tiny Stable Diffusion pipeline of the
@@ -106,6 +107,22 @@ def script_img_s(script, args, steps):
         return statistics.median(e.value for e in EventAccumulator(str(logs)).Reload().Scalars("img/s")[5:])
 
 
+def compile_figures(steps):
+    """The unconditional demo eager and under torch.compile (inductor, as `accelerate launch --dynamo_backend inductor`
+    sets it): img/s after warm-up, and the seconds to the end of the first step, where compilation happens."""
+    common = ["--train_data_dir", REPO / "data" / "digits", "--model_config_name_or_path", REPO / "configs" / "unet-digits",
+              "--resolution", "16", "--train_batch_size", "16", "--save_images_epochs", "100000", "--ddpm_num_inference_steps", "1",
+              "--eval_batch_size", "1", "--max_train_steps", steps, "--checkpointing_steps", "100000", "--seed", "0"]
+    for name, backend in [("eager", "NO"), ("inductor", "INDUCTOR")]:
+        with tempfile.TemporaryDirectory() as out:
+            start = time.time()
+            subprocess.run([sys.executable, str(REPO / "train_unconditional.py"), *map(str, common), "--output_dir", out], check=True,
+                           capture_output=True, env={**os.environ, "HF_HUB_OFFLINE": "1", "ACCELERATE_DYNAMO_BACKEND": backend})
+            rates = EventAccumulator(str(next(Path(out, "logs").iterdir()))).Reload().Scalars("img/s")
+            print(f"  {name:9s} {statistics.median(r.value for r in rates[10:]):6.1f} img/s after 10 steps; "
+                  f"first step done {rates[0].wall_time - start:5.1f} s after launch")
+
+
 def startup_seconds(script, rows, repeats=3):
     """Seconds from launch to the end of the first training step of `script` on a `rows`-image imagefolder of
     tiny 8x8 PNGs (generated once; the `datasets` cache is warmed by a first, untimed run). The median of repeats."""
@@ -186,8 +203,13 @@ def main():
     p.add_argument("--script", default=REPO / "train_unconditional.py", help="The script whose startup is timed.")
     p.add_argument("--official", metavar="DIR", help="Compare with the Diffusers examples in DIR instead.")
     p.add_argument("--repeats", type=int, default=3, help="With --official: runs of each length per script.")
+    p.add_argument("--compile", action="store_true", help="The unconditional demo eager and compiled instead.")
     args = p.parse_args()
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    if args.compile:
+        print("train_unconditional.py, the demo config: eager against torch.compile (inductor)")
+        compile_figures(max(args.steps, 30))
+        return
     if args.official:
         official_ratios(args.official, args.repeats)
         return

@@ -497,7 +497,7 @@ def find_classes(dataset, args):
     if not names and not (isinstance(feature, datasets.Value) and feature.dtype.startswith(("int", "uint"))):
         raise SystemExit(f"error: --label_column '{args.label_column}' holds {feature}, not integer classes "
                          "(give integers 0..N-1, or one subfolder per class)")
-    labels = dataset[args.label_column]
+    labels = list(dataset[args.label_column])
     if None in labels:
         raise SystemExit(f"error: --label_column '{args.label_column}' has no label for row {labels.index(None)}")
     count = args.num_classes or len(names) or max(labels) + 1

@@ -1,18 +1,12 @@
 #!/usr/bin/env python
 """train_dit.py: a class-conditional Diffusion Transformer (DiT) with classifier-free guidance, the third script.
 
-A `DiTTransformer2DModel` (Peebles & Xie 2023) takes the UNet's place: the image, or its VAE latent, is cut into
-patches, and transformer blocks predict the noise. Each block hears the timestep t and the class y through
-adaLN-Zero, a LayerNorm whose shift, scale and gate are computed from t and y. Training is DDPM's Algorithm 1 with
-a class, ε_θ(x_t, t, y); one label in ten is replaced by a null class ∅, so the same model also learns ε_θ(x_t, t, ∅).
-Sampling mixes the two: ε = ε(x, ∅) + s·(ε(x, y) − ε(x, ∅)), classifier-free guidance (Ho & Salimans 2022).
+A `DiTTransformer2DModel` (Peebles & Xie 2023) in the UNet's place: transformer blocks, told t and the class y by adaLN-Zero,
+predict ε_θ(x_t, t, y) from patches of the image (with a VAE, as in the paper, of its latent). A tenth of the labels become a
+null class ∅, so it also learns ε_θ(x_t, t, ∅): sampling mixes the two (classifier-free guidance). Not here: learned σ.
 
     python train_dit.py --train_data_dir data/digits --resolution 16 \
         --model_config_name_or_path configs/dit-digits --output_dir dit-digits
-
-Without a VAE it trains on pixels (the CPU demo); with --pretrained_vae_model_name_or_path, in the VAE's latent
-space as the paper does, and output_dir becomes a DiTPipeline folder. Out of scope: the paper's learned σ (8 output
-channels and its hybrid loss); this model predicts ε (or v) only and samples with DDIM or DPM-Solver.
 
 Sections, the same in every script of this repo: 1 arguments, 2 accelerator/logging/seed,
 3 models, 4 data, 5 optimizer and LR schedule, 6 checkpoint hooks and resume, 7 training loop,
@@ -74,8 +68,7 @@ def parse_args(argv=None):
     p.add_argument("--num_classes", type=int, default=None, help="Default: the ClassLabel's names, or the largest label + 1.")
     p.add_argument("--class_dropout_prob", type=float, default=0.1, help="Share of labels replaced by the null class.")
     p.add_argument("--model_config_name_or_path", default=None, help="A folder with a DiTTransformer2DModel config.json.")
-    p.add_argument("--model_type", default="DiT-XL/2", choices=[f"DiT-{s}/{n}" for s in MODEL_SIZES for n in (2, 4, 8)],
-                   help="The paper's sizes, if no --model_config_name_or_path: DiT-S/B/L/XL with patches of 2, 4 or 8.")
+    p.add_argument("--model_type", default="DiT-XL/2", choices=[f"DiT-{s}/{n}" for s in MODEL_SIZES for n in (2, 4, 8)], help="Else this.")
     p.add_argument("--pretrained_vae_model_name_or_path", default=None, help="A VAE: train in its latent space.")
     p.add_argument("--vae_subfolder", default=None, help='Its subfolder, e.g. "vae" in a Stable Diffusion pipeline.')
     p.add_argument("--output_dir", default="dit-model")
@@ -172,30 +165,21 @@ def main(args):
     if args.allow_tf32:
         torch.backends.cuda.matmul.allow_tf32 = True
 
-    # 3. Models: the frozen VAE if any, the transformer (its label table sized by the data's classes, so the data
-    #    is read first) and the noise schedule β_1..β_T of the forward process
+    # 3. Models: the classes first (they size the label table), the frozen VAE if any, the transformer, the noise schedule
     train_dataset = load_train_dataset(args)
     id2label = find_classes(train_dataset, args)
     args.validation_class_labels = args.validation_class_labels or list(range(min(10, len(id2label))))
     if not set(args.validation_class_labels) <= set(id2label):
         raise SystemExit(f"error: --validation_class_labels {args.validation_class_labels} must be among the classes 0..{len(id2label) - 1}")
     weight_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(accelerator.mixed_precision, torch.float32)
-    vae, vae_scale = None, 1
+    vae = None
     if args.pretrained_vae_model_name_or_path:
-        if len(id2label) > PIPELINE_NULL_CLASS:  # one class would be read as ∅
-            raise SystemExit(f"error: {len(id2label)} classes: a DiTPipeline (written with a VAE) takes at most {PIPELINE_NULL_CLASS}")
         try:
             vae = AutoencoderKL.from_pretrained(args.pretrained_vae_model_name_or_path, subfolder=args.vae_subfolder)
-        except Exception as e:  # a wrong path or subfolder, no network: say which flag
-            raise SystemExit(f"error: could not load --pretrained_vae_model_name_or_path {args.pretrained_vae_model_name_or_path}: "
-                             f"{type(e).__name__}: {e}") from None
+        except Exception as e:  # a wrong path or subfolder, no network: one line that names the flag
+            raise SystemExit(f"error: could not load --pretrained_vae_model_name_or_path: {type(e).__name__}: {e}") from None
         vae.requires_grad_(False).to(accelerator.device, dtype=weight_dtype)  # frozen: it only encodes (and decodes samples)
-        vae_scale = 2 ** (len(vae.config.block_out_channels) - 1)
     model = build_transformer(args, len(id2label), vae)
-    downsampling = model.config.patch_size * vae_scale
-    if args.resolution % downsampling:
-        raise SystemExit(f"error: --resolution {args.resolution} must be a multiple of {downsampling}, the patch size"
-                         + (" times the VAE's downsampling." if vae else "."))
     if args.gradient_checkpointing:
         model.enable_gradient_checkpointing()
     if args.enable_xformers_memory_efficient_attention and importlib.util.find_spec("xformers") is None:
@@ -205,14 +189,11 @@ def main(args):
     noise_scheduler = DDPMScheduler(
         num_train_timesteps=args.ddpm_num_steps,
         beta_schedule=args.ddpm_beta_schedule,
-        prediction_type=args.prediction_type,
-        clip_sample=vae is None,  # pixels lie in [-1, 1]; latents do not, and the paper never clips them
+        prediction_type=args.prediction_type, clip_sample=vae is None,  # pixels lie in [-1, 1]; latents do not: not clipped
     )
     if args.use_ema:  # the paper's EMA: the weights themselves after the first step, then a flat decay (min = max)
-        ema_model = EMAModel(
-            model.parameters(), decay=args.ema_max_decay, min_decay=args.ema_max_decay,
-            model_cls=DiTTransformer2DModel, model_config=model.config,
-        )
+        ema_model = EMAModel(model.parameters(), decay=args.ema_max_decay, min_decay=args.ema_max_decay,
+                             model_cls=DiTTransformer2DModel, model_config=model.config)
 
     # 4. Data: a hub dataset or a local imagefolder; images resized, cropped, flipped, scaled to [-1, 1]; a class each
     if args.image_column not in train_dataset.column_names:
@@ -229,9 +210,9 @@ def main(args):
         transforms.ToTensor(),
         transforms.Normalize([0.5], [0.5]),
     ])
-    size = model.config.sample_size  # noise has the model's input shape: the latent's with a VAE, the image's without
+    size = model.config.sample_size  # ε has the model's input shape: the latent's with a VAE, the image's without
     data = dict(args=args, train_transforms=train_transforms, in_channels=vae.config.in_channels if vae else model.config.in_channels,
-                noise_shape=(model.config.in_channels, size, size), null_class=len(id2label))  # grey model: grey images
+                noise_shape=(model.config.in_channels, size, size), null_class=model.config.num_embeds_ada_norm)  # grey model: grey images
     train_dataset.set_transform(partial(preprocess_train, **data, epoch=0))
     train_dataloader = torch.utils.data.DataLoader(
         train_dataset, batch_size=args.train_batch_size, shuffle=True, num_workers=args.dataloader_num_workers,
@@ -302,16 +283,13 @@ def main(args):
             stop_on_unreadable(batch, args)
             clean_images, noise, timesteps = batch["pixel_values"], batch["noise"], batch["timesteps"]
             if vae is not None:  # x_0 is then a latent: a sample of the VAE's posterior N(μ, σ²), scaled to unit variance
-                with torch.no_grad():
-                    posterior = vae.encode(clean_images.to(weight_dtype)).latent_dist
-                latents = posterior.mean + posterior.std * batch["posterior_noise"].to(weight_dtype)
-                clean_images = latents.float() * vae.config.scaling_factor
+                posterior = vae.encode(clean_images.to(weight_dtype)).latent_dist  # frozen: no graph is recorded
+                clean_images = (posterior.mean + posterior.std * batch["posterior_noise"].to(weight_dtype)).float() * vae.config.scaling_factor
             # The forward process in closed form: x_t = √ᾱ_t·x_0 + √(1−ᾱ_t)·ε
             noisy_images = noise_scheduler.add_noise(clean_images, noise, timesteps)
 
             with accelerator.accumulate(model):
-                # y is the image's class, or ∅ for the labels the data transform dropped
-                model_output = model(noisy_images.to(input_dtype), timesteps, batch["class_labels"]).sample
+                model_output = model(noisy_images.to(input_dtype), timesteps, batch["class_labels"]).sample  # y, or ∅ if dropped
                 target = noise if args.prediction_type == "epsilon" else noise_scheduler.get_velocity(clean_images, noise, timesteps)
                 # Algorithm 1's loss ‖ε − ε_θ(x_t, t, y)‖² (or ‖v − v_θ‖² when predicting v), one
                 # value per image so it can be weighted
@@ -460,52 +438,44 @@ def build_transformer(args, num_classes, vae):
     """A DiTTransformer2DModel from scratch, set up as the paper trains it rather than as diffusers builds it."""
     if args.model_config_name_or_path:
         config = DiTTransformer2DModel.load_config(args.model_config_name_or_path)
-    else:  # the paper's sizes, e.g. DiT-XL/2: 28 blocks of width 16 x 72 = 1152, on patches of 2 x 2
-        depth, heads, head_dim = MODEL_SIZES[args.model_type[4:-2]]
-        config = dict(num_layers=depth, num_attention_heads=heads, attention_head_dim=head_dim, patch_size=int(args.model_type[-1]),
-                      in_channels=3)  # RGB pixels, as the other scripts' default model
-    channels = vae.config.latent_channels if vae else config.get("in_channels", 4)
-    scale = 2 ** (len(vae.config.block_out_channels) - 1) if vae else 1
-    # The data sets the classes and the size. out_channels explicitly: DiTPipeline reads out_channels // 2 (learned σ).
-    model = DiTTransformer2DModel.from_config({**config, "num_embeds_ada_norm": num_classes, "sample_size": args.resolution // scale,
-                                              "in_channels": channels, "out_channels": channels})
-    for block in model.transformer_blocks:
-        # (1) Label dropout: diffusers drops labels again inside every block (28 independent draws in XL), so an image
-        # is almost never fully unconditional, the case guidance needs. preprocess_train drops once per image instead.
+    else:  # the paper's sizes, e.g. DiT-XL/2: 28 blocks of width 16 x 72 = 1152 on patches of 2 x 2; RGB pixels
+        depth, heads, width = MODEL_SIZES[args.model_type[4:-2]]
+        config = dict(num_layers=depth, num_attention_heads=heads, attention_head_dim=width, patch_size=int(args.model_type[-1]), in_channels=3)
+    channels, scale = (vae.config.latent_channels, 2 ** (len(vae.config.block_out_channels) - 1)) if vae else (config.get("in_channels", 4), 1)
+    if args.resolution % (multiple := scale * config.get("patch_size", 2)):
+        raise SystemExit(f"error: --resolution {args.resolution} must be a multiple of {multiple} (patch size{' × VAE scale' if vae else ''})")
+    # ∅ is the table's row after the classes; DiTPipeline asks for 1000, so with a VAE (a DiTPipeline is saved) there are 1000
+    # class rows, the unused never trained. out_channels explicitly: DiTPipeline reads out_channels // 2 (learned σ), fails on None.
+    model = DiTTransformer2DModel.from_config({**config, "num_embeds_ada_norm": PIPELINE_NULL_CLASS if vae else num_classes,
+                                              "sample_size": args.resolution // scale, "in_channels": channels, "out_channels": channels})
+    for block in model.transformer_blocks:  # (1) diffusers drops labels again in every block (28 independent draws in XL), so
+        # an image is almost never fully unconditional, the case guidance needs: preprocess_train drops once per image instead
         block.norm1.emb.class_embedder.dropout_prob = 0.0
-        # (2) adaLN-Zero: the linear that makes each block's shift, scale and gate starts at zero, so every block
-        # starts as the identity (its residual branches are gated by 0) ...
-        torch.nn.init.zeros_(block.norm1.linear.weight)
-        torch.nn.init.zeros_(block.norm1.linear.bias)
-    for layer in (model.proj_out_1, model.proj_out_2):  # ... and so do the final layer's modulation and projection:
-        torch.nn.init.zeros_(layer.weight)  # a fresh model predicts exactly 0
+    # (2) adaLN-Zero: each block's shift/scale/gate linear starts at zero, so every block starts as the identity (its
+    # residual branches gated by 0); so do the final modulation and projection: a fresh model predicts exactly 0.
+    for layer in [block.norm1.linear for block in model.transformer_blocks] + [model.proj_out_1, model.proj_out_2]:
+        torch.nn.init.zeros_(layer.weight)
         torch.nn.init.zeros_(layer.bias)
-    # (3) Each block keeps its own timestep and label embedder, where the paper computes one c = t + y for all. Left
-    # untied, on purpose: shared modules make save_pretrained refuse "tensors that share memory", give EMAModel's
-    # saved copy (built from the config, untied) a different parameter list, and are split awkwardly by ZeRO-3/FSDP.
-    # Untied they can learn the paper's model and more; the cost is parameters (about 11% more for DiT-XL/2).
+    # (3) Each block keeps its own t and y embedders (the paper has one c = t + y for all): tied, save_pretrained would refuse
+    # "tensors that share memory" and EMAModel's saved copy (untied) list other parameters; untied, they cost weights only.
     return model
 
 
 def find_classes(dataset, args):
-    """id2label of the label column: a ClassLabel's names, or for integer labels 0..max (or --num_classes). One clear
-    error for a missing column, labels that are not integer classes or out of range, or fewer than 2 classes."""
+    """id2label: a ClassLabel's names, or 0..max of integer labels (or --num_classes); else one clear error."""
     if args.label_column not in dataset.column_names:
         raise SystemExit(f"error: --label_column '{args.label_column}' is not in the dataset; its columns are {dataset.column_names}")
     feature = dataset.features[args.label_column]
     names = feature.names if isinstance(feature, datasets.ClassLabel) else []
     if not names and not (isinstance(feature, datasets.Value) and feature.dtype.startswith(("int", "uint"))):
-        raise SystemExit(f"error: --label_column '{args.label_column}' holds {feature}, not integer classes "
-                         "(give integers 0..N-1, or one subfolder per class)")
+        raise SystemExit(f"error: --label_column '{args.label_column}' holds {feature}, not integer classes (0..N-1, or a folder per class)")
     labels = list(dataset[args.label_column])
-    if None in labels:
-        raise SystemExit(f"error: --label_column '{args.label_column}' has no label for row {labels.index(None)}")
-    count = args.num_classes or len(names) or max(labels) + 1
-    outside = [label for label in labels if not 0 <= label < count]
-    if outside:  # a ClassLabel marks a missing label as -1
-        raise SystemExit(f"error: --label_column '{args.label_column}' has the label {outside[0]}, not one of the {count} classes 0..{count - 1}")
-    if count < 2:
-        raise SystemExit(f"error: --label_column '{args.label_column}' has {count} class: a class-conditional model needs at least 2")
+    count = args.num_classes or len(names) or max([label for label in labels if label is not None], default=0) + 1
+    outside = [label for label in labels if label is None or not 0 <= label < count]
+    if outside:  # None: no label; a ClassLabel marks a missing one as -1
+        raise SystemExit(f"error: --label_column '{args.label_column}' has the label {outside[0]}, not a class 0..{count - 1}")
+    if count < 2 or (args.pretrained_vae_model_name_or_path and count > PIPELINE_NULL_CLASS):  # with a VAE, class 1000 is ∅
+        raise SystemExit(f"error: --label_column '{args.label_column}' has {count} classes: 2 or more, with a VAE at most {PIPELINE_NULL_CLASS}")
     return {i: names[i] if i < len(names) else str(i) for i in range(count)}
 
 
@@ -668,12 +638,10 @@ def log_validation(accelerator, args, model, ema_model, noise_scheduler, global_
     if ema_model is not None:  # sample with the EMA weights, then put the training weights back
         ema_model.store(transformer.parameters())
         ema_model.copy_to(transformer.parameters())
-    # --eval_batch_size images of each class, class by class: one grid row per class
     class_labels = torch.tensor(args.validation_class_labels, device=accelerator.device).repeat_interleave(args.eval_batch_size)
-    generator = torch.Generator("cpu").manual_seed(0)  # the same starting noise every time: progress is visible
-    with accelerator.autocast():
+    with accelerator.autocast():  # seed 0: the same starting noise every time, so progress is visible
         images = sample_images(transformer, SAMPLERS[args.validation_sampler].from_config(noise_scheduler.config), class_labels,
-                               args.guidance_scale, args.num_inference_steps, vae, generator).float().cpu()
+                               args.guidance_scale, args.num_inference_steps, vae, torch.Generator("cpu").manual_seed(0)).float().cpu()
     if ema_model is not None:
         ema_model.restore(transformer.parameters())
     if not accelerator.is_main_process:
@@ -689,46 +657,24 @@ def log_validation(accelerator, args, model, ema_model, noise_scheduler, global_
             tracker.log({"test_samples": [wandb.Image(image.permute(1, 2, 0).numpy()) for image in images]}, step=global_step)
 
 
-def guided_output(model, x, t, class_labels, guidance_scale):
-    """Classifier-free guidance: ε = ε(x, ∅) + s·(ε(x, y) − ε(x, ∅)), the conditional and the null half in one batch.
-    s = 1 is the conditional model alone, s = 0 the unconditional one; ∅ is the label table's last row."""
-    null = torch.full_like(class_labels, model.config.num_embeds_ada_norm)
-    inputs = torch.cat([x, x]).to(model.dtype)  # under DeepSpeed a bf16 model gets bf16 inputs (no autocast there)
-    conditional, unconditional = model(inputs, t.expand(len(inputs)), torch.cat([class_labels, null])).sample.float().chunk(2)
-    return unconditional + guidance_scale * (conditional - unconditional)
-
-
 @torch.no_grad()
 def sample_images(model, scheduler, class_labels, guidance_scale, num_inference_steps, vae=None, generator=None):
     """One image per class label in [0, 1], from pure noise, guided at every step of the DDIM or DPM-Solver schedule."""
-    size, channels = model.config.sample_size, model.config.in_channels
-    x = torch.randn((len(class_labels), channels, size, size), generator=generator).to(class_labels.device)
+    x = torch.randn((len(class_labels), model.config.in_channels, *[model.config.sample_size] * 2), generator=generator).to(class_labels.device)
+    labels = torch.cat([class_labels, torch.full_like(class_labels, model.config.num_embeds_ada_norm)])  # y, then ∅ (last row)
     scheduler.set_timesteps(num_inference_steps)
-    for t in scheduler.timesteps:
-        output = guided_output(model, scheduler.scale_model_input(x, t), t.to(x.device), class_labels, guidance_scale)
-        x = scheduler.step(output, t, x).prev_sample
+    for t in scheduler.timesteps:  # bf16 inputs for a bf16 model under DeepSpeed, which adds no autocast
+        inputs = torch.cat([scheduler.scale_model_input(x, t)] * 2).to(model.dtype)
+        conditional, unconditional = model(inputs, t.expand(len(inputs)).to(x.device), labels).sample.float().chunk(2)
+        # classifier-free guidance ε(x, ∅) + s·(ε(x, y) − ε(x, ∅)): s = 1 is the conditional model, s = 0 the unconditional one
+        x = scheduler.step(unconditional + guidance_scale * (conditional - unconditional), t, x).prev_sample
     if vae is not None:  # back from the latent space
         x = vae.decode((x / vae.config.scaling_factor).to(vae.dtype)).sample.float()
     return (x / 2 + 0.5).clamp(0, 1)
 
 
-def with_null_class_1000(transformer):
-    """A copy whose null class ∅ is label 1000, as DiTPipeline asks for it. Training keeps the table compact (∅ right
-    after the data's classes: no unused rows to train or store); the rows from there to 1000 all hold ∅, so an
-    unknown label samples unconditionally."""
-    classes = transformer.config.num_embeds_ada_norm
-    wide = DiTTransformer2DModel.from_config({**transformer.config, "num_embeds_ada_norm": PIPELINE_NULL_CLASS})
-    state = transformer.state_dict()
-    for name, table in state.items():
-        if name.endswith("class_embedder.embedding_table.weight"):
-            state[name] = torch.cat([table[:classes], table[classes:].expand(PIPELINE_NULL_CLASS + 1 - classes, -1)])
-    wide.load_state_dict(state)
-    return wide.to(transformer.device, transformer.dtype)
-
-
 def save_pipeline(accelerator, args, model, ema_model, noise_scheduler, sharded, vae, id2label):
-    """transformer/, scheduler/ (DDIM or DPM-Solver over the training βs) and the classes, or with a VAE a DiTPipeline
-    folder; written by the main process, but every process must call this (see full_model)."""
+    """transformer/, scheduler/ (the training βs) and the classes, or a DiTPipeline folder; every process calls this."""
     transformer = full_model(accelerator, model, sharded)
     if accelerator.is_main_process:
         if ema_model is not None:
@@ -741,7 +687,7 @@ def save_pipeline(accelerator, args, model, ema_model, noise_scheduler, sharded,
             with open(os.path.join(args.output_dir, "id2label.json"), "w") as f:
                 json.dump(id2label, f, indent=1)
         else:
-            pipeline = DiTPipeline(transformer=with_null_class_1000(transformer), vae=vae, scheduler=scheduler)
+            pipeline = DiTPipeline(transformer=transformer, vae=vae, scheduler=scheduler)
             pipeline.register_to_config(id2label=id2label)  # DiTPipeline(id2label=...) maps names to labels
             pipeline.save_pretrained(args.output_dir)
         if ema_model is not None:

@@ -135,6 +135,10 @@ def test_a_fresh_model_is_adaln_zero_and_drops_no_labels_itself(dit, tiny_dit_co
     big = dit.build_transformer(Namespace(model_config_name_or_path=None, model_type="DiT-S/8", resolution=32), 1000, None)
     block = big.transformer_blocks[0]
     assert (len(big.transformer_blocks), big.inner_dim, block.attn1.heads, big.config.patch_size) == (12, 384, 6, 8)
+    # in a VAE's latent space (4 channels, 8x smaller): ∅ is row 1000, where DiTPipeline asks for it, whatever the classes
+    vae = Namespace(config=Namespace(latent_channels=4, block_out_channels=[64] * 4))
+    latent = dit.build_transformer(Namespace(model_config_name_or_path=tiny_dit_config_path, model_type=None, resolution=64), 6, vae)
+    assert (latent.config.num_embeds_ada_norm, latent.config.in_channels, latent.config.out_channels, latent.config.sample_size) == (1000, 4, 4, 8)
 
 
 def test_labels_are_dropped_once_per_image_at_the_requested_rate(dit, tmp_path):
@@ -157,18 +161,30 @@ def test_labels_are_dropped_once_per_image_at_the_requested_rate(dit, tmp_path):
 
 
 def test_guidance_mixes_the_conditional_and_the_null_prediction(dit):
-    from diffusers import DiTTransformer2DModel
+    """Guided sampling with both halves in one batch equals ε(x, ∅) + s·(ε(x, y) − ε(x, ∅)) computed in two batches:
+    at s = 1 the conditional prediction alone, at s = 0 the unconditional one."""
+    from diffusers import DDIMScheduler, DiTTransformer2DModel
 
     torch.manual_seed(0)  # diffusers' random initialisation: the outputs depend on the label
     model = DiTTransformer2DModel(num_attention_heads=2, attention_head_dim=16, in_channels=3, out_channels=3, num_layers=2,
                                   sample_size=16, patch_size=2, num_embeds_ada_norm=6).eval()
-    x, t, y = torch.randn(3, 3, 16, 16), torch.tensor(500), torch.tensor([0, 2, 5])
-    with torch.no_grad():
-        conditional = model(x, t.expand(3), y).sample
-        unconditional = model(x, t.expand(3), torch.full((3,), 6)).sample
-        for scale, expected in [(1.0, conditional), (0.0, unconditional), (4.0, unconditional + 4 * (conditional - unconditional))]:
-            torch.testing.assert_close(dit.guided_output(model, x, t, y, scale), expected, rtol=1e-5, atol=1e-5)
-    assert not torch.allclose(conditional, unconditional)
+    y, null = torch.tensor([0, 2, 5]), torch.full((3,), 6)
+
+    def by_hand(scale):
+        scheduler = DDIMScheduler()
+        scheduler.set_timesteps(3)
+        x = torch.randn((3, 3, 16, 16), generator=torch.Generator().manual_seed(1))
+        for t in scheduler.timesteps:
+            with torch.no_grad():
+                conditional, unconditional = (model(x, t.expand(3), labels).sample for labels in (y, null))
+            epsilon = {1.0: conditional, 0.0: unconditional}.get(scale, unconditional + scale * (conditional - unconditional))
+            x = scheduler.step(epsilon, t, x).prev_sample
+        return (x / 2 + 0.5).clamp(0, 1)
+
+    for scale in [1.0, 0.0, 4.0]:
+        ours = dit.sample_images(model, DDIMScheduler(), y, scale, 3, generator=torch.Generator().manual_seed(1))
+        torch.testing.assert_close(ours, by_hand(scale), rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(by_hand(1.0), by_hand(0.0))
 
 
 @pytest.fixture(scope="module")
@@ -198,9 +214,8 @@ def test_with_a_vae_the_output_is_a_dit_pipeline_that_guides_with_the_trained_nu
     assert pipe.transformer.config.num_embeds_ada_norm == 1000 and pipe.get_label_ids(["one", "two", "zero"]) == [0, 1, 2]
     images = pipe(class_labels=[0, 2], guidance_scale=4.0, num_inference_steps=2, generator=torch.manual_seed(0), output_type="np").images
     assert images.shape == (2, 16, 16, 3) and np.isfinite(images).all()
-    # the same guided samples from the compact model as trained (3 classes, ∅ = 3): DiTPipeline's ∅ = 1000 is that row
+    # the same guided samples as the script's own sampler draws from the checkpoint: DiTPipeline's ∅ (1000) is the trained one
     trained = DiTTransformer2DModel.from_pretrained(out / "checkpoint-3" / "transformer").eval()
-    assert trained.config.num_embeds_ada_norm == 3
     ours = dit.sample_images(trained, DDIMScheduler.from_pretrained(out, subfolder="scheduler"), torch.tensor([0, 2]), 4.0, 2, pipe.vae,
                              torch.manual_seed(0))
     np.testing.assert_allclose(images, ours.permute(0, 2, 3, 1).numpy(), rtol=0, atol=1e-5)
@@ -220,7 +235,7 @@ def victim(reference, tmp_path_factory):
 @pytest.mark.parametrize("extra, expected", [
     (["--label_column", "class"], "error: --label_column 'class' is not in the dataset; its columns are ['image', 'label']"),
     (["--validation_class_labels", "0", "6"], "error: --validation_class_labels [0, 6] must be among the classes 0..5"),
-    (["--resolution", "15"], "error: --resolution 15 must be a multiple of 2, the patch size."),
+    (["--resolution", "15"], "error: --resolution 15 must be a multiple of 2 (patch size)"),
     (["--resume_from_checkpoint", "checkpoint-7"], "checkpoint-7 is not a checkpoint-N folder written by train_dit.py"),
 ])
 def test_bad_input_is_one_clear_error(extra, expected, victim, label_folder, tiny_dit_config_path):
@@ -238,7 +253,8 @@ def test_bad_labels_are_one_clear_error(dit):
     def classes(labels, feature=None, **flags):
         features = datasets.Features({"label": feature}) if feature else None
         dataset = datasets.Dataset.from_dict({"label": labels}, features=features)
-        return dit.find_classes(dataset, Namespace(**{"label_column": "label", "num_classes": None, **flags}))
+        return dit.find_classes(dataset, Namespace(**{"label_column": "label", "num_classes": None, "pretrained_vae_model_name_or_path": None,
+                                                      **flags}))
 
     assert classes([2, 0, 1]) == {0: "0", 1: "1", 2: "2"}
     assert classes([1, 0], num_classes=4) == {0: "0", 1: "1", 2: "2", 3: "3"}
@@ -247,11 +263,11 @@ def test_bad_labels_are_one_clear_error(dit):
         ([0, 1], None, {"label_column": "y"}, "--label_column 'y' is not in the dataset; its columns are ['label']"),
         (["cat", "dog"], None, {}, "--label_column 'label' holds Value('string'), not integer classes"),
         ([0.0, 1.5], None, {}, "holds Value('float64'), not integer classes"),
-        ([0, None], None, {}, "--label_column 'label' has no label for row 1"),
-        ([0, 1, 5], None, {"num_classes": 3}, "has the label 5, not one of the 3 classes 0..2"),
-        ([0, -1], None, {}, "has the label -1, not one of the 1 classes 0..0"),
-        ([0, -1], datasets.ClassLabel(names=["cat", "dog"]), {}, "has the label -1, not one of the 2 classes 0..1"),
-        ([0, 0], None, {}, "has 1 class: a class-conditional model needs at least 2"),
+        ([0, None], None, {}, "--label_column 'label' has the label None, not a class 0..0"),
+        ([0, 1, 5], None, {"num_classes": 3}, "has the label 5, not a class 0..2"),
+        ([0, -1], datasets.ClassLabel(names=["cat", "dog"]), {}, "has the label -1, not a class 0..1"),
+        ([0, 0], None, {}, "has 1 classes: 2 or more"),
+        ([0, 1001], None, {"pretrained_vae_model_name_or_path": "vae"}, "has 1002 classes: 2 or more, with a VAE at most 1000"),
     ]:
         with pytest.raises(SystemExit, match="^error: ") as error:
             classes(labels, feature, **flags)

@@ -189,7 +189,8 @@ def main(args):
     noise_scheduler = DDPMScheduler(
         num_train_timesteps=args.ddpm_num_steps,
         beta_schedule=args.ddpm_beta_schedule,
-        prediction_type=args.prediction_type, clip_sample=vae is None,  # pixels lie in [-1, 1]; latents do not: not clipped
+        prediction_type=args.prediction_type,
+        clip_sample=False,  # as in the paper: guidance overshoots x_0 on purpose; clipped by DDIM, the demo drew no digits at s = 4
     )
     if args.use_ema:  # the paper's EMA: the weights themselves after the first step, then a flat decay (min = max)
         ema_model = EMAModel(model.parameters(), decay=args.ema_max_decay, min_decay=args.ema_max_decay,
@@ -448,9 +449,8 @@ def build_transformer(args, num_classes, vae):
     # class rows, the unused never trained. out_channels explicitly: DiTPipeline reads out_channels // 2 (learned σ), fails on None.
     model = DiTTransformer2DModel.from_config({**config, "num_embeds_ada_norm": PIPELINE_NULL_CLASS if vae else num_classes,
                                               "sample_size": args.resolution // scale, "in_channels": channels, "out_channels": channels})
-    for block in model.transformer_blocks:  # (1) diffusers drops labels again in every block (28 independent draws in XL), so
-        # an image is almost never fully unconditional, the case guidance needs: preprocess_train drops once per image instead
-        block.norm1.emb.class_embedder.dropout_prob = 0.0
+    for block in model.transformer_blocks:  # (1) no label dropout in each block (28 draws in XL: hardly ever all ∅); once per
+        block.norm1.emb.class_embedder.dropout_prob = 0.0  # image in preprocess_train instead, so the unconditional model is trained
     # (2) adaLN-Zero: each block's shift/scale/gate linear starts at zero, so every block starts as the identity (its
     # residual branches gated by 0); so do the final modulation and projection: a fresh model predicts exactly 0.
     for layer in [block.norm1.linear for block in model.transformer_blocks] + [model.proj_out_1, model.proj_out_2]:

@@ -37,10 +37,11 @@ def test_dit_draws_the_digit_it_is_asked_for(tmp_path):
     from diffusers import DDIMScheduler, DiTTransformer2DModel
 
     out = tmp_path / "demo"
-    steps = ["--num_epochs", "60", "--save_images_epochs", "20"] if FULL else \
+    steps = ["--num_epochs", "50", "--save_images_epochs", "20"] if FULL else \
         ["--max_train_steps", "40", "--lr_warmup_steps", "10", "--eval_batch_size", "1", "--num_inference_steps", "5"]
     start = time.perf_counter()
-    run_script(REPO / "train_dit.py", DEMO + steps + ["--output_dir", out], env={"OMP_NUM_THREADS": str(os.cpu_count())})
+    run_script(REPO / "train_dit.py", DEMO + steps + ["--output_dir", out], env={"OMP_NUM_THREADS": str(os.cpu_count())},
+               timeout=3600)  # about 10 minutes alone on 2 cores; a busy machine can make it several times that
     print(f"\ntrained in {time.perf_counter() - start:.0f} s (validation grids and saves included)")
     losses = [e.value for e in EventAccumulator(str(out / "logs" / "train_dit")).Reload().Scalars("loss")]
     assert np.mean(losses[-5:]) < 0.5 * np.mean(losses[:5])

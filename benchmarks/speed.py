@@ -1,12 +1,13 @@
 """Images per second of the training scripts next to a bare training loop on the same model, in one run.
 
-    python benchmarks/speed.py [--steps 40] [--only unconditional|text_to_image]
+    python benchmarks/speed.py [--steps 40] [--only unconditional|dit|text_to_image]
     python benchmarks/speed.py --startup 100000 [--script OLD_COPY_OF_train_unconditional.py]
     python benchmarks/speed.py --official ../shared/reference/diffusers_examples [--repeats 3]
     python benchmarks/speed.py --compile [--steps 100]
 
 unconditional: the README demo's UNet (32, 64, 64) from configs/unet-digits, one grey channel, 16 px
-digits, batch 16. text_to_image: the tiny Stable Diffusion pipeline of the
+digits, batch 16. dit: the DiT demo's transformer from configs/dit-digits (6 blocks of width 128, patches of 2), one
+grey channel, 16 px digits with their labels, batch 16. text_to_image: the tiny Stable Diffusion pipeline of the
 tests, 64 px captioned digits, batch 4 (issue #4). fp32, one process, all cores.
 
 The bare loop is the step and nothing around it (one fixed batch of real images; VAE and text encoder
@@ -66,6 +67,24 @@ def bare_unconditional(batch_size, steps):
 
     def step():
         torch.nn.functional.mse_loss(model(scheduler.add_noise(images, noise, t), t).sample, noise).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad()
+
+    return median_img_s(step, batch_size, steps)
+
+
+def bare_dit(batch_size, steps):
+    from diffusers import DDPMScheduler, DiTTransformer2DModel
+
+    model = DiTTransformer2DModel.from_config(DiTTransformer2DModel.load_config(REPO / "configs" / "dit-digits"))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    scheduler = DDPMScheduler()
+    images = real_images(REPO / "data" / "digits", batch_size, 16, "L")
+    noise, t, y = torch.randn(images.shape), torch.randint(0, 1000, (batch_size,)), torch.randint(0, 10, (batch_size,))
+
+    def step():
+        torch.nn.functional.mse_loss(model(scheduler.add_noise(images, noise, t), t, y).sample, noise).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         optimizer.zero_grad()
@@ -198,7 +217,7 @@ def report(name, figure, bare):
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=40)
-    p.add_argument("--only", choices=["unconditional", "text_to_image"])
+    p.add_argument("--only", choices=["unconditional", "dit", "text_to_image"])
     p.add_argument("--startup", type=int, metavar="ROWS", help="Time to the first step on ROWS tiny images instead.")
     p.add_argument("--script", default=REPO / "train_unconditional.py", help="The script whose startup is timed.")
     p.add_argument("--official", metavar="DIR", help="Compare with the Diffusers examples in DIR instead.")
@@ -216,7 +235,7 @@ def main():
     if args.startup:
         print(f"{args.script}: {startup_seconds(args.script, args.startup):.1f} s to the first step on {args.startup} images")
         return
-    if args.only != "text_to_image":
+    if args.only in (None, "unconditional"):
         print("train_unconditional.py: the demo's UNet (32, 64, 64), 16 px grey digits, batch 16")
         bare = bare_unconditional(16, args.steps)
         report("bare loop", bare, bare)
@@ -226,7 +245,16 @@ def main():
         for name, extra in [("script", []), ("script --use_ema", ["--use_ema"]),
                             ("script --use_ema --random_flip", ["--use_ema", "--random_flip"])]:
             report(name, script_img_s("train_unconditional.py", common + extra, args.steps), bare)
-    if args.only != "unconditional":
+    if args.only in (None, "dit"):
+        print("train_dit.py: the demo's DiT (6 blocks of width 128, patches of 2), 16 px grey digits with labels, batch 16")
+        bare = bare_dit(16, args.steps)
+        report("bare loop", bare, bare)
+        common = ["--train_data_dir", REPO / "data" / "digits", "--model_config_name_or_path", REPO / "configs" / "dit-digits",
+                  "--resolution", "16", "--train_batch_size", "16", "--save_images_epochs", "100000", "--num_inference_steps", "1",
+                  "--eval_batch_size", "1"]
+        for name, extra in [("script", []), ("script --use_ema", ["--use_ema"])]:
+            report(name, script_img_s("train_dit.py", common + extra, args.steps), bare)
+    if args.only in (None, "text_to_image"):
         print("train_text_to_image.py: the tests' tiny SD pipeline, 64 px, batch 4")
         with tempfile.TemporaryDirectory() as tmp:
             Path(tmp, "vocab").mkdir()

@@ -1,4 +1,4 @@
-"""The checkpoint hooks of both diffusion scripts, called with the lists accelerate passes them.
+"""The checkpoint hooks of the diffusion scripts, called with the lists accelerate passes them.
 
 FSDP cannot run on a CPU through accelerate, so these hooks are tested as accelerate calls them: under
 DeepSpeed and FSDP it hands the save hook an empty `weights` list and the load hook an empty `models`
@@ -12,23 +12,27 @@ import torch
 from conftest import REPO
 
 
-@pytest.mark.parametrize("script", ["train_unconditional", "train_text_to_image"])
+@pytest.mark.parametrize("script", ["train_unconditional", "train_text_to_image", "train_dit"])
 def test_hooks_with_the_lists_each_backend_passes(script, tiny_unet_config_path, tiny_sd_path, tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(REPO))
     from accelerate import Accelerator
-    from diffusers import UNet2DConditionModel, UNet2DModel
+    from diffusers import DiTTransformer2DModel, UNet2DConditionModel, UNet2DModel
     from diffusers.training_utils import EMAModel
 
     hooks = __import__(script)
+    folder = "transformer" if script == "train_dit" else "unet"  # where the hooks write the model
     if script == "train_unconditional":
         model = UNet2DModel.from_config(UNet2DModel.load_config(tiny_unet_config_path))
+    elif script == "train_dit":
+        model = DiTTransformer2DModel(num_attention_heads=2, attention_head_dim=8, in_channels=3, out_channels=3, num_layers=1,
+                                      sample_size=8, patch_size=2, num_embeds_ada_norm=4)
     else:
         model = UNet2DConditionModel.from_pretrained(tiny_sd_path, subfolder="unet")
     accelerator, args = Accelerator(cpu=True), Namespace(foreach_ema=False, offload_ema=False)
     ema = EMAModel(model.parameters(), model_cls=type(model), model_config=model.config)
 
     hooks.save_model_hook(accelerator, args, ema, [model], [], tmp_path)  # DeepSpeed / FSDP: no weights to store
-    assert (tmp_path / "unet_ema").is_dir() and not (tmp_path / "unet").exists()
+    assert (tmp_path / f"{folder}_ema").is_dir() and not (tmp_path / folder).exists()
     before = {k: v.clone() for k, v in model.state_dict().items()}
     ema.shadow_params[0].data.add_(1.0)
     hooks.load_model_hook(accelerator, args, ema, [], tmp_path)  # the backend loaded the model: only the EMA is read
@@ -37,7 +41,7 @@ def test_hooks_with_the_lists_each_backend_passes(script, tiny_unet_config_path,
 
     weights = [model.state_dict()]  # plain and DDP: the UNet goes to unet/ and accelerate's copy is dropped
     hooks.save_model_hook(accelerator, args, ema, [model], weights, tmp_path)
-    assert weights == [] and (tmp_path / "unet" / "config.json").is_file()
+    assert weights == [] and (tmp_path / folder / "config.json").is_file()
     with torch.no_grad():
         next(model.parameters()).add_(1.0)
     models = [model]

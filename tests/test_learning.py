@@ -6,6 +6,7 @@ and prints the figures quoted in the README.
 """
 import os
 import time
+from functools import cache
 
 import numpy as np
 import pytest
@@ -21,17 +22,26 @@ DEMO = ["--train_data_dir", REPO / "data" / "digits", "--resolution", "16", "--m
 SAMPLES = 200  # judged per model, drawn with DDIM in 50 steps (as the demo's grids)
 
 
-def judge(images):
-    """Share of samples that an SVC trained on the 8x8 digits classifies with confidence > 0.9, their classes,
-    and the mean confidence (the SVC's top class probability)."""
+@cache
+def digits_classifier():
     from sklearn.datasets import load_digits
     from sklearn.svm import SVC
 
     digits = load_digits()
-    classifier = SVC(gamma=0.001, probability=True, random_state=0).fit(digits.data, digits.target)
+    return SVC(gamma=0.001, probability=True, random_state=0).fit(digits.data, digits.target)
+
+
+def digit_probabilities(images):
+    """The class probabilities that an SVC trained on the 8x8 digits gives images (N, H, W, channels) in [0, 1]."""
     gray = torch.as_tensor(np.asarray(images), dtype=torch.float32).mean(-1, keepdim=True).permute(0, 3, 1, 2)  # any channels
     small = torch.nn.functional.interpolate(gray, size=(8, 8), mode="area")  # back to the data's 8x8 grid
-    proba = classifier.predict_proba(small.flatten(1).numpy() * 16)  # the data's 0..16 ink scale
+    return digits_classifier().predict_proba(small.flatten(1).numpy() * 16)  # the data's 0..16 ink scale
+
+
+def judge(images):
+    """Share of samples that an SVC trained on the 8x8 digits classifies with confidence > 0.9, their classes,
+    and the mean confidence (the SVC's top class probability)."""
+    proba = digit_probabilities(images)
     confident = proba.max(1) > 0.9
     return confident.mean(), np.bincount(proba.argmax(1)[confident], minlength=10), proba.max(1).mean()
 

@@ -348,13 +348,10 @@ def main(args):
 
 
 def create_hub_repo(args):
-    """With --push_to_hub the repo is created now, so that no network, offline mode or a bad token fails before
-    training rather than after it."""
-    if not args.push_to_hub:
-        return None
+    """With --push_to_hub the repo is created now: no network, offline mode or a bad token fails before training."""
     try:
         return create_repo(args.hub_model_id or os.path.basename(os.path.abspath(args.output_dir)), exist_ok=True,
-                           token=args.hub_token, private=args.hub_private_repo).repo_id
+                           token=args.hub_token, private=args.hub_private_repo).repo_id if args.push_to_hub else None
     except Exception as e:
         raise SystemExit(f"error: --push_to_hub: could not create the hub repo: {type(e).__name__}: {e}") from None
 

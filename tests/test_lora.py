@@ -1,6 +1,5 @@
 """train_lora.py: the files users load (diffusers, kohya), exact resume, equivalent runs, fp32 LoRA under bf16,
 clipping, learning, the checkpoint contract, DeepSpeed, bad input."""
-import json
 import re
 import shutil
 from pathlib import Path

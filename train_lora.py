@@ -658,16 +658,21 @@ def save_model_hook(accelerator, args, ema_model, models, weights, output_dir):
 
 
 def load_model_hook(accelerator, args, ema_model, models, input_dir):
-    if ema_model is not None:
-        ema_model.load_state_dict(torch.load(os.path.join(input_dir, "lora_ema.pt"), weights_only=True))
-        ema_model.to(accelerator.device)
     if models:  # plain or DDP; DeepSpeed has loaded the model already
         state_dict = StableDiffusionPipeline.lora_state_dict(input_dir)[0]
         for model, prefix in zip(models, ["unet.", "text_encoder."]):  # in the order they were prepared
             layers = convert_all_state_dict_to_peft({k[len(prefix):]: v for k, v in state_dict.items() if k.startswith(prefix)})
-            if set_peft_model_state_dict(accelerator.unwrap_model(model, keep_torch_compile=False), layers).unexpected_keys:
-                raise SystemExit(f"error: the LoRA weights in {input_dir} do not fit this model's adapters (--rank, --lora_target_modules)")
+            try:  # another --rank gives other shapes; other --lora_target_modules, other names
+                loaded = set_peft_model_state_dict(accelerator.unwrap_model(model, keep_torch_compile=False), layers)
+                fits = not loaded.unexpected_keys and not any("lora_" in k for k in loaded.missing_keys)
+            except RuntimeError:
+                fits = False
+            if not fits:
+                raise SystemExit(f"error: the LoRA in {input_dir} does not fit this run's adapters: resume with its --rank and --lora_target_modules")
         models.clear()
+    if ema_model is not None:
+        ema_model.load_state_dict(torch.load(os.path.join(input_dir, "lora_ema.pt"), weights_only=True))
+        ema_model.to(accelerator.device)
 
 
 def save_lora(unet, text_encoder, output_dir):

@@ -368,6 +368,17 @@ def assert_resumes_exactly(script, args, out, checkpoint, **launch):
     return resumed
 
 
+def assert_same_optimizer_state(checkpoint, reference_checkpoint):
+    """Adam's moments in two checkpoint folders are equal; returns both optimizer states."""
+    import torch
+
+    opt, opt_ref = (torch.load(Path(d) / "optimizer.bin", weights_only=False) for d in (checkpoint, reference_checkpoint))
+    for i, state in opt_ref["state"].items():
+        for name in ["exp_avg", "exp_avg_sq"]:
+            torch.testing.assert_close(opt["state"][i][name], state[name], rtol=1e-6, atol=1e-12)
+    return opt, opt_ref
+
+
 def checkpoints(out):
     return sorted((p.name for p in out.glob("checkpoint-*")), key=lambda n: int(n.split("-")[1]))
 

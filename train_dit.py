@@ -13,6 +13,7 @@ Sections, the same in every script of this repo: 1 arguments, 2 accelerator/logg
 8 validation, 9 final save.
 """
 import argparse
+import hashlib
 import importlib.util
 import io
 import json
@@ -22,6 +23,7 @@ import os
 import secrets
 import shutil
 import time
+from contextlib import nullcontext
 from datetime import timedelta
 from functools import partial
 
@@ -38,10 +40,12 @@ from accelerate.utils import (DataLoaderConfiguration, InitProcessGroupKwargs, P
 from datasets import load_dataset
 from diffusers import (AutoencoderKL, DDIMScheduler, DDPMScheduler, DiTPipeline, DiTTransformer2DModel,
                        DPMSolverMultistepScheduler)
+from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
 from diffusers.optimization import SchedulerType, get_scheduler
+from diffusers.training_utils import EMAModel, compute_snr, free_memory, offload_models
 from huggingface_hub import create_repo, upload_folder
-from diffusers.training_utils import EMAModel, compute_snr
 from PIL import Image
+from torch.utils.flop_counter import FlopCounterMode
 from torchvision import transforms
 from tqdm.auto import tqdm
 
@@ -55,6 +59,10 @@ FULL_IMAGE_CHECK = 10_000  # datasets up to this size are decoded in full before
 MODEL_SIZES = {"S": (12, 6, 64), "B": (12, 12, 64), "L": (24, 16, 64), "XL": (28, 16, 72)}  # depth, heads, head width
 PIPELINE_NULL_CLASS = 1000  # DiTPipeline asks for the null class ∅ as label 1000, ImageNet's class count
 SAMPLERS = {"ddim": DDIMScheduler, "dpm": DPMSolverMultistepScheduler}
+# Dense bf16/fp16 tensor-core peaks (datasheets, sparsity excluded) in TFLOP/s, for MFU. The first key found in
+# torch.cuda.get_device_name() wins: H100 SXM calls itself "H100 80GB HBM3"; GeForce figures are with fp32 accumulation.
+PEAK_TFLOPS = {"H100 NVL": 835, "H100 PCIe": 756, "H100": 989, "H200 NVL": 835, "H200": 989, "B200": 2250, "A100": 312,
+               "A10G": 70, "A10": 125, "L40S": 362, "L40": 181, "L4": 121, "RTX 4090": 165, "RTX 3090": 71, "V100": 125}
 
 
 # 1. Arguments: the Diffusers example's flags and defaults, so existing commands work unchanged
@@ -79,6 +87,7 @@ def parse_args(argv=None):
     p.add_argument("--center_crop", action="store_true", help="Center crop instead of a random crop.")
     p.add_argument("--random_flip", action="store_true", help="Flip images horizontally at random.")
     p.add_argument("--preserve_input_precision", action="store_true", help="Train 16-bit images at 16 bits, not 8.")
+    p.add_argument("--cache_latents", action="store_true", help="Encode each image once with the VAE before training.")
     p.add_argument("--train_batch_size", type=int, default=16, help="Batch size per device.")
     p.add_argument("--eval_batch_size", type=int, default=8, help="Validation images per class, one grid row per class.")
     p.add_argument("--validation_class_labels", type=int, nargs="+", default=None, help="Default: the first 10 classes.")
@@ -108,6 +117,7 @@ def parse_args(argv=None):
     p.add_argument("--mixed_precision", default=None, choices=["no", "fp16", "bf16"],
                    help="Defaults to the `accelerate config` setting.")
     p.add_argument("--allow_tf32", action="store_true", help="Faster fp32 matmuls on Ampere and newer GPUs.")
+    p.add_argument("--peak_tflops", type=float, default=None, help="The accelerator's dense peak, for the MFU log.")
     p.add_argument("--prediction_type", default="epsilon", choices=["epsilon", "v_prediction"])
     p.add_argument("--snr_gamma", type=float, default=None, help="Min-SNR-γ loss weighting; 5.0 is common.")
     p.add_argument("--ddpm_num_steps", type=int, default=1000)
@@ -132,6 +142,8 @@ def parse_args(argv=None):
         p.error("--hub_token with --report_to wandb would store the token in the wandb run: log in with `hf auth login` instead")
     if not 0 <= args.class_dropout_prob < 1:
         p.error(f"--class_dropout_prob {args.class_dropout_prob} must be in [0, 1)")
+    if args.cache_latents and not (args.center_crop and args.pretrained_vae_model_name_or_path):
+        p.error("--cache_latents needs --pretrained_vae_model_name_or_path (latents to store) and --center_crop (a random crop is new every epoch)")
     return args
 
 
@@ -211,9 +223,13 @@ def main(args):
         transforms.ToTensor(),
         transforms.Normalize([0.5], [0.5]),
     ])
+    in_channels = vae.config.in_channels if vae else model.config.in_channels  # grey model: grey images
+    if args.cache_latents:  # the frozen VAE runs here, once, instead of every step
+        no_flip = transforms.Compose([t for t in train_transforms.transforms if not isinstance(t, transforms.RandomHorizontalFlip)])
+        train_dataset = cache_encodings(accelerator, args, train_dataset, vae, weight_dtype, no_flip, in_channels)
     size = model.config.sample_size  # ε has the model's input shape: the latent's with a VAE, the image's without
-    data = dict(args=args, train_transforms=train_transforms, in_channels=vae.config.in_channels if vae else model.config.in_channels,
-                noise_shape=(model.config.in_channels, size, size), null_class=model.config.num_embeds_ada_norm)  # grey model: grey images
+    data = dict(args=args, train_transforms=train_transforms, in_channels=in_channels, noise_shape=(model.config.in_channels, size, size),
+                null_class=model.config.num_embeds_ada_norm, weight_dtype=weight_dtype)
     train_dataset.set_transform(partial(preprocess_train, **data, epoch=0))
     train_dataloader = torch.utils.data.DataLoader(
         train_dataset, batch_size=args.train_batch_size, shuffle=True, num_workers=args.dataloader_num_workers,
@@ -273,6 +289,9 @@ def main(args):
         range(args.max_train_steps), initial=global_step, desc="Steps", disable=not accelerator.is_local_main_process
     )
     train_loss, step_start = torch.zeros((), device=accelerator.device), time.perf_counter()
+    flops, peak = None, args.peak_tflops  # the FLOPs of one micro-batch, counted at the first; the peak MFU divides by
+    if peak is None and accelerator.device.type == "cuda":
+        peak = next((tflops for name, tflops in PEAK_TFLOPS.items() if name in torch.cuda.get_device_name()), None)
     for epoch in range(first_epoch, args.num_train_epochs):
         model.train()
         train_dataset.set_transform(partial(preprocess_train, **data, epoch=epoch))
@@ -282,12 +301,19 @@ def main(args):
             batches = accelerator.skip_first_batches(train_dataloader, resume_step)
         for batch in batches:
             stop_on_unreadable(batch, args)
-            clean_images, noise, timesteps = batch["pixel_values"], batch["noise"], batch["timesteps"]
-            if vae is not None:  # x_0 is then a latent: a sample of the VAE's posterior N(μ, σ²), scaled to unit variance
-                posterior = vae.encode(clean_images.to(weight_dtype)).latent_dist  # frozen: no graph is recorded
-                clean_images = (posterior.mean + posterior.std * batch["posterior_noise"].to(weight_dtype)).float() * vae.config.scaling_factor
+            clean_images, noise, timesteps = batch.get("pixel_values"), batch["noise"], batch["timesteps"]
+            counter = FlopCounterMode(display=False) if flops is None else nullcontext()  # a forward alone: counted as it runs
+            with torch.no_grad(), counter:
+                if vae is not None:  # x_0 is then a latent: a sample of the VAE's posterior N(μ, σ²), scaled to unit variance
+                    posterior = DiagonalGaussianDistribution(batch["latent_moments"]) if args.cache_latents else \
+                        vae.encode(clean_images.to(weight_dtype)).latent_dist  # moments cached, or encoded now
+                    clean_images = (posterior.mean + posterior.std * batch["posterior_noise"].to(weight_dtype)).float() * vae.config.scaling_factor
             # The forward process in closed form: x_t = √ᾱ_t·x_0 + √(1−ᾱ_t)·ε
             noisy_images = noise_scheduler.add_noise(clean_images, noise, timesteps)
+            if flops is None:  # once, at the first micro-batch: the frozen VAE's and the transformer's
+                flops = [counter.get_total_flops(), training_flops(accelerator.unwrap_model(model), args, noisy_images, timesteps, batch["class_labels"])]
+                logger.info(f"One micro-batch of {len(timesteps)} images: transformer forward and backward {flops[1]:.4g} FLOPs, "
+                            f"frozen VAE {flops[0]:.4g}")
 
             with accelerator.accumulate(model):
                 model_output = model(noisy_images.to(input_dtype), timesteps, batch["class_labels"]).sample  # y, or ∅ if dropped
@@ -309,12 +335,14 @@ def main(args):
                     ema_model.step(model.parameters())
                 global_step += 1
                 train_loss = accelerator.reduce(train_loss, "mean").item()  # the mean over all processes, for the log
-                images_per_s = total_batch_size / (time.perf_counter() - step_start)
-                logs = {"loss": train_loss, "lr": lr_scheduler.get_last_lr()[0], "img/s": images_per_s}
+                seconds = time.perf_counter() - step_start
+                tflops = flops[1] * args.gradient_accumulation_steps / seconds / 1e12  # the transformer's, on each process
+                logs = {"loss": train_loss, "lr": lr_scheduler.get_last_lr()[0], "img/s": total_batch_size / seconds,
+                        "tflops": tflops, **({"mfu": tflops / peak} if peak else {})}
                 if args.use_ema:
                     logs["ema_decay"] = ema_model.cur_decay_value
                 progress_bar.update(1)
-                progress_bar.set_postfix(loss=train_loss, img_s=f"{images_per_s:.1f}")
+                progress_bar.set_postfix(loss=train_loss, img_s=f"{logs['img/s']:.1f}", tflops=f"{tflops:.3g}")
                 accelerator.log(logs, step=global_step)
                 if global_step % args.checkpointing_steps == 0:
                     save_checkpoint(accelerator, args, global_step)
@@ -386,29 +414,88 @@ def sample_seed(seed, epoch, row):
     return int(np.random.SeedSequence([seed, epoch, row]).generate_state(1)[0])
 
 
-def preprocess_train(examples, args, train_transforms, in_channels, noise_shape, null_class, epoch):
+def preprocess_train(examples, args, train_transforms, in_channels, noise_shape, null_class, weight_dtype, epoch):
     """A module-level function (and a `partial` of it) pickles, so dataloader workers can be spawned.
 
     Each image's crop, flip, noise ε, timestep t, label dropout and VAE posterior noise come from a seed of
     (seed, epoch, row), not from the global random stream: the same draws however the run is batched, split across
-    processes or resumed (the dataloader reads a batch ahead, which would shift a shared stream)."""
-    columns = {"pixel_values": [], "noise": [], "timesteps": [], "class_labels": [], "unreadable": []}
-    if args.pretrained_vae_model_name_or_path:
-        columns["posterior_noise"] = []
-    for item, label, row in zip(examples[args.image_column], examples[args.label_column], examples[ROW]):
-        image = open_image(item)
-        columns["unreadable"].append("" if image is not None else item["path"] or f"row {row}")  # the loop stops on it
+    processes or resumed (the dataloader reads a batch ahead, which would shift a shared stream). With the cache,
+    the stored encoding stands in for the image, picked by the same draw."""
+    columns = {"pixel_values": [], "latent_moments": [], "noise": [], "timesteps": [], "class_labels": [], "unreadable": [],
+               "posterior_noise": []}
+    for i, (label, row) in enumerate(zip(examples[args.label_column], examples[ROW])):
         with torch.random.fork_rng(devices=[]):
             torch.default_generator.manual_seed(sample_seed(args.seed, epoch, row))  # CPU only: 100x cheaper than torch.manual_seed
-            pixel_values = train_transforms(image_for_model(image, args, in_channels)).expand(in_channels, -1, -1)
-            columns["pixel_values"].append(pixel_values)
+            if args.cache_latents:  # one draw, as RandomHorizontalFlip makes (also at p = 0), picks the orientation
+                flipped = int(torch.rand(1) < (0.5 if args.random_flip else 0.0))
+                columns["latent_moments"].append(from_bytes(examples["latent_moments"][i], weight_dtype, (2 * noise_shape[0], *noise_shape[1:]))[flipped])
+            else:
+                image = open_image(examples[args.image_column][i])
+                columns["unreadable"].append("" if image is not None else examples[args.image_column][i]["path"] or f"row {row}")  # the loop stops on it
+                columns["pixel_values"].append(train_transforms(image_for_model(image, args, in_channels)).expand(in_channels, -1, -1))
             columns["noise"].append(torch.randn(noise_shape))
             columns["timesteps"].append(torch.randint(0, args.ddpm_num_steps, ()))
             # the paper's label dropout: once per image, to the null class ∅, so ε_θ(x_t, t, ∅) is really trained
             columns["class_labels"].append(torch.tensor(null_class if torch.rand(()) < args.class_dropout_prob else label))
-            if "posterior_noise" in columns:  # z = μ + σ·n, a sample of the VAE's posterior
+            if args.pretrained_vae_model_name_or_path:  # z = μ + σ·n, a sample of the VAE's posterior
                 columns["posterior_noise"].append(torch.randn(noise_shape))
-    return columns
+    return {name: values for name, values in columns.items() if values}
+
+
+def training_flops(model, args, *inputs):
+    """The FLOPs of one forward and backward of the model on inputs of these shapes, counted by torch on a copy built
+    on the meta device: no memory, no compute. (Counted on the real step, the backward rounds differently, and exact
+    resume would be lost.) With gradient checkpointing the copy runs each block's forward twice, as training does."""
+    with torch.device("meta"):
+        copy = type(model).from_config(model.config)
+    if args.gradient_checkpointing:
+        copy.enable_gradient_checkpointing()
+    with FlopCounterMode(display=False) as counter:
+        copy(*(x.to("meta") for x in inputs), return_dict=False)[0].float().mean().backward()
+    return counter.get_total_flops()
+
+
+def cache_encodings(accelerator, args, dataset, vae, weight_dtype, encode_transforms, in_channels):
+    """Run the frozen VAE once per image, before training, and keep its posterior's moments (mean and log-variance,
+    both orientations with --random_flip), so each step still draws its own z_0 = μ + σ·ε. `datasets` writes them to
+    Arrow files beside the data (--cache_dir), named by a fingerprint of what decides them, so a second run on the
+    same data, VAE and flags reads them back. Each process encodes its share; then the VAE leaves the accelerator
+    until validation."""
+    start, n = time.perf_counter(), accelerator.num_processes
+    key = [dataset._fingerprint, args.pretrained_vae_model_name_or_path, args.vae_subfolder, str(weight_dtype), args.resolution,
+           args.random_flip, args.preserve_input_precision]
+    fingerprint = broadcast_object_list([hashlib.sha256(json.dumps(key).encode()).hexdigest()[:16]])[0]  # the main process's
+    encode = dict(function=partial(encode_batch, args=args, vae=vae, encode_transforms=encode_transforms, in_channels=in_channels),
+                  batched=True, batch_size=args.train_batch_size, remove_columns=args.image_column, desc="Encoding the training images once")
+
+    def shard(i):  # process i's share: encoded, or read back from the file written when it was
+        return dataset.shard(n, i, contiguous=True).map(**encode, new_fingerprint=f"{fingerprint}-{i}-of-{n}")
+    shard(accelerator.process_index)
+    accelerator.wait_for_everyone()
+    dataset = datasets.concatenate_datasets([shard(i) for i in range(n)])
+    vae.to("cpu")
+    free_memory()
+    logger.info(f"Cached the encodings of {len(dataset)} images in {time.perf_counter() - start:.1f} s, "
+                f"{len(dataset[0]['latent_moments']):,} bytes per image")
+    return dataset
+
+
+def encode_batch(examples, args, vae, encode_transforms, in_channels):
+    """A batch of the cache: the raw bytes of each image's VAE moments (unflipped, flipped), in the VAE's dtype."""
+    images = [open_image(item) for item in examples[args.image_column]]
+    for item, image, row in zip(examples[args.image_column], images, examples[ROW]):
+        if image is None:
+            raise SystemExit(f"error: image {item['path'] or f'row {row}'} cannot be read")
+    pixels = torch.stack([encode_transforms(image_for_model(image, args, in_channels)).expand(in_channels, -1, -1) for image in images])
+    pixels = pixels.to(vae.device, vae.dtype)
+    with torch.no_grad():
+        moments = [vae.encode(p).latent_dist.parameters for p in ([pixels, pixels.flip(-1)] if args.random_flip else [pixels])]
+    return {"latent_moments": [m.cpu().contiguous().view(torch.uint8).numpy().tobytes() for m in torch.stack(moments, dim=1)]}
+
+
+def from_bytes(data, dtype, shape):
+    """Cached tensors back from their bytes: a stack of tensors of the given shape."""
+    return torch.frombuffer(bytearray(data), dtype=dtype).view(-1, *shape)
 
 
 def image_for_model(image, args, channels):
@@ -516,7 +603,7 @@ def check_images(dataset, column):
 
 def stop_on_unreadable(batch, args):
     """A large dataset's images are decoded as they load: a broken one ends the run here, by name."""
-    for name in batch["unreadable"]:
+    for name in batch.get("unreadable", ()):  # none with --cache_latents: the images were read when cached
         if name:
             found = [d for d in os.listdir(args.output_dir) if is_checkpoint_name(d)] if os.path.isdir(args.output_dir) else []
             last = f"; fix or remove it and resume from {max(found, key=lambda d: int(d[11:]))}" if found else ""
@@ -636,7 +723,8 @@ def log_validation(accelerator, args, model, ema_model, noise_scheduler, global_
         ema_model.store(transformer.parameters())
         ema_model.copy_to(transformer.parameters())
     class_labels = torch.tensor(args.validation_class_labels, device=accelerator.device).repeat_interleave(args.eval_batch_size)
-    with accelerator.autocast():  # seed 0: the same starting noise every time, so progress is visible
+    # seed 0: the same starting noise every time, so progress is visible; a cached VAE comes back to decode
+    with accelerator.autocast(), offload_models(vae, device=accelerator.device, offload=args.cache_latents):
         images = sample_images(transformer, SAMPLERS[args.validation_sampler].from_config(noise_scheduler.config), class_labels,
                                args.guidance_scale, args.num_inference_steps, vae, torch.Generator("cpu").manual_seed(0)).float().cpu()
     if ema_model is not None:

@@ -14,6 +14,7 @@ Sections, the same in every script of this repo: 1 arguments, 2 accelerator/logg
 8 validation, 9 final save.
 """
 import argparse
+import hashlib
 import importlib.util
 import io
 import json
@@ -25,6 +26,7 @@ import shlex
 import shutil
 import sys
 import time
+from contextlib import nullcontext
 from datetime import timedelta
 from functools import partial
 from pathlib import Path
@@ -42,13 +44,15 @@ from accelerate.utils import (DataLoaderConfiguration, InitProcessGroupKwargs, P
 from datasets import load_dataset
 from diffusers import (AutoencoderKL, DDPMScheduler, DPMSolverMultistepScheduler, StableDiffusionPipeline,
                        UNet2DConditionModel)
+from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
 from diffusers.optimization import SchedulerType, get_scheduler
-from diffusers.training_utils import EMAModel, cast_training_params, compute_snr
+from diffusers.training_utils import EMAModel, cast_training_params, compute_snr, free_memory, offload_models
 from diffusers.utils import convert_all_state_dict_to_peft, convert_state_dict_to_diffusers, convert_state_dict_to_kohya
 from huggingface_hub import create_repo, upload_folder
 from peft import LoraConfig, get_peft_model_state_dict, set_peft_model_state_dict
 from PIL import Image
 from safetensors.torch import save_file
+from torch.utils.flop_counter import FlopCounterMode
 from torchvision import transforms
 from tqdm.auto import tqdm
 from transformers import CLIPTextModel, CLIPTokenizer
@@ -61,6 +65,10 @@ SHARDING = (DistributedType.DEEPSPEED, DistributedType.FSDP)  # backends that st
 SPLIT_NAMES = {"train", "training", "test", "testing", "eval", "evaluation", "valid", "validation", "val", "dev"}
 FULL_IMAGE_CHECK = 10_000  # datasets up to this size are decoded in full before training; larger ones as they load
 INTERPOLATIONS = [mode.name.lower() for mode in transforms.InterpolationMode]  # the example's spelling: nearest_exact
+# Dense bf16/fp16 tensor-core peaks (datasheets, sparsity excluded) in TFLOP/s, for MFU. The first key found in
+# torch.cuda.get_device_name() wins: H100 SXM calls itself "H100 80GB HBM3"; GeForce figures are with fp32 accumulation.
+PEAK_TFLOPS = {"H100 NVL": 835, "H100 PCIe": 756, "H100": 989, "H200 NVL": 835, "H200": 989, "B200": 2250, "A100": 312,
+               "A10G": 70, "A10": 125, "L40S": 362, "L40": 181, "L4": 121, "RTX 4090": 165, "RTX 3090": 71, "V100": 125}
 TEXT_ENCODER_TARGETS = ["q_proj", "k_proj", "v_proj", "out_proj"]  # CLIP's attention projections
 
 
@@ -89,6 +97,8 @@ def parse_args(argv=None):
     p.add_argument("--center_crop", action="store_true", help="Center crop instead of a random crop.")
     p.add_argument("--random_flip", action="store_true", help="Flip images horizontally at random.")
     p.add_argument("--image_interpolation_mode", default="lanczos", choices=INTERPOLATIONS)
+    p.add_argument("--cache_latents", action="store_true", help="Encode each image once with the VAE before training.")
+    p.add_argument("--cache_text_embeddings", action="store_true", help="Encode each caption once before training.")
     p.add_argument("--train_batch_size", type=int, default=16, help="Batch size per device.")
     p.add_argument("--dataloader_num_workers", type=int, default=0)
     p.add_argument("--num_train_epochs", "--num_epochs", dest="num_train_epochs", type=int, default=100)
@@ -120,6 +130,7 @@ def parse_args(argv=None):
     p.add_argument("--mixed_precision", default=None, choices=["no", "fp16", "bf16"],
                    help="Defaults to the `accelerate config` setting.")
     p.add_argument("--allow_tf32", action="store_true", help="Faster fp32 matmuls on Ampere and newer GPUs.")
+    p.add_argument("--peak_tflops", type=float, default=None, help="The accelerator's dense peak, for the MFU log.")
     p.add_argument("--prediction_type", default=None, choices=["epsilon", "v_prediction"],
                    help="Overrides the base model's scheduler config.")
     p.add_argument("--snr_gamma", type=float, default=None, help="Min-SNR-γ loss weighting; 5.0 is common.")
@@ -141,6 +152,10 @@ def parse_args(argv=None):
         p.error("give a dataset: --dataset_name or --train_data_dir")
     if args.report_to in ("wandb", "all") and args.hub_token is not None:  # as the Diffusers examples refuse it
         p.error("--hub_token with --report_to wandb would store the token in the wandb run: log in with `hf auth login` instead")
+    if args.cache_latents and not args.center_crop:
+        p.error("--cache_latents needs --center_crop: a random crop is new every epoch, so its latents cannot be stored")
+    if args.cache_text_embeddings and args.train_text_encoder:
+        p.error("--cache_text_embeddings cannot be used with --train_text_encoder: its embeddings change as it learns")
     if args.rank < 1:
         p.error(f"--rank must be a positive integer, not {args.rank}")
     args.lora_alpha = args.rank if args.lora_alpha is None else args.lora_alpha
@@ -249,8 +264,12 @@ def main(args):
         transforms.ToTensor(),
         transforms.Normalize([0.5], [0.5]),
     ])
+    if args.cache_latents or args.cache_text_embeddings:  # the frozen encoders run here, once, instead of every step
+        no_flip = transforms.Compose([t for t in train_transforms.transforms if not isinstance(t, transforms.RandomHorizontalFlip)])
+        train_dataset = cache_encodings(accelerator, args, train_dataset, vae, text_encoder, tokenizer, weight_dtype, no_flip)
     data = dict(args=args, train_transforms=train_transforms, tokenizer=tokenizer, num_train_timesteps=noise_scheduler.config.num_train_timesteps,
-                latent_shape=(vae.config.latent_channels, args.resolution // downsampling, args.resolution // downsampling))
+                latent_shape=(vae.config.latent_channels, args.resolution // downsampling, args.resolution // downsampling),
+                text_shape=(tokenizer.model_max_length, text_encoder.config.hidden_size), weight_dtype=weight_dtype)
     train_dataset.set_transform(partial(preprocess_train, **data, epoch=0))
     train_dataloader = torch.utils.data.DataLoader(
         train_dataset, batch_size=args.train_batch_size, shuffle=True, num_workers=args.dataloader_num_workers,
@@ -316,6 +335,9 @@ def main(args):
         range(args.max_train_steps), initial=global_step, desc="Steps", disable=not accelerator.is_local_main_process
     )
     train_loss, step_start = torch.zeros((), device=accelerator.device), time.perf_counter()
+    flops, peak = None, args.peak_tflops  # the FLOPs of one micro-batch, counted at the first; the peak MFU divides by
+    if peak is None and accelerator.device.type == "cuda":
+        peak = next((tflops for name, tflops in PEAK_TFLOPS.items() if name in torch.cuda.get_device_name()), None)
     for epoch in range(first_epoch, args.num_train_epochs):
         for m in trained:
             m.train()
@@ -327,16 +349,28 @@ def main(args):
         for batch in batches:
             stop_on_unreadable(batch, args)
             noise, timesteps = batch["noise"], batch["timesteps"]
-            with torch.no_grad():
-                # z_0: a sample of the VAE's posterior N(μ, σ²), scaled to unit variance
-                posterior = vae.encode(batch["pixel_values"].to(weight_dtype)).latent_dist
+            counter = FlopCounterMode(display=False) if flops is None else nullcontext()  # forwards alone: counted as they run
+            with torch.no_grad(), counter:
+                # z_0: a sample of the VAE's posterior N(μ, σ²), scaled to unit variance (its moments cached or encoded now)
+                posterior = DiagonalGaussianDistribution(batch["latent_moments"]) if args.cache_latents else \
+                    vae.encode(batch["pixel_values"].to(weight_dtype)).latent_dist
                 latents = (posterior.mean + posterior.std * batch["latent_noise"].to(weight_dtype)).float()
                 latents = latents * vae.config.scaling_factor
+                if not args.train_text_encoder:  # frozen: cached, or encoded now without a graph
+                    encoder_hidden_states = batch["text_embeddings"] if args.cache_text_embeddings else \
+                        text_encoder(batch["input_ids"], return_dict=False)[0]
             # The forward process in closed form: z_t = √ᾱ_t·z_0 + √(1−ᾱ_t)·ε (ε perturbed if asked)
             noisy_latents = noise_scheduler.add_noise(latents, noise + batch["perturbation"], timesteps)
+            if flops is None:  # once, at the first micro-batch: the frozen models' and the trained pass's
+                text = batch["input_ids"] if args.train_text_encoder else encoder_hidden_states
+                flops = [counter.get_total_flops(), training_flops(*(accelerator.unwrap_model(m) for m in (model, text_encoder)), args,
+                                                                   noisy_latents, timesteps, text)]
+                logger.info(f"One micro-batch of {len(timesteps)} images: {'text encoder and ' * args.train_text_encoder}UNet forward "
+                            f"and backward {flops[1]:.4g} FLOPs, frozen {'VAE' if args.train_text_encoder else 'VAE and text encoder'} {flops[0]:.4g}")
 
             with accelerator.accumulate(*trained):
-                encoder_hidden_states = text_encoder(batch["input_ids"], return_dict=False)[0]  # learns with --train_text_encoder
+                if args.train_text_encoder:  # its LoRA learns: encoded with a graph
+                    encoder_hidden_states = text_encoder(batch["input_ids"], return_dict=False)[0]
                 if noise_scheduler.config.prediction_type == "epsilon":
                     target = noise
                 else:  # v = √ᾱ_t·ε − √(1−ᾱ_t)·z_0
@@ -358,10 +392,12 @@ def main(args):
                     ema_model.step(lora_params)
                 global_step += 1
                 train_loss = accelerator.reduce(train_loss, "mean").item()  # the mean over all processes, for the log
-                images_per_s = total_batch_size / (time.perf_counter() - step_start)
-                logs = {"train_loss": train_loss, "lr": lr_scheduler.get_last_lr()[0], "img/s": images_per_s}
+                seconds = time.perf_counter() - step_start
+                tflops = flops[1] * args.gradient_accumulation_steps / seconds / 1e12  # the trained pass's, on each process
+                logs = {"train_loss": train_loss, "lr": lr_scheduler.get_last_lr()[0], "img/s": total_batch_size / seconds,
+                        "tflops": tflops, **({"mfu": tflops / peak} if peak else {})}
                 progress_bar.update(1)
-                progress_bar.set_postfix(loss=train_loss, img_s=f"{images_per_s:.1f}")
+                progress_bar.set_postfix(loss=train_loss, img_s=f"{logs['img/s']:.1f}", tflops=f"{tflops:.3g}")
                 accelerator.log(logs, step=global_step)
                 if global_step % args.checkpointing_steps == 0:
                     save_checkpoint(accelerator, args, global_step)
@@ -451,31 +487,118 @@ def sample_seed(seed, epoch, row):
     return int(np.random.SeedSequence([seed, epoch, row]).generate_state(1)[0])
 
 
-def preprocess_train(examples, args, train_transforms, tokenizer, num_train_timesteps, latent_shape, epoch):
+def preprocess_train(examples, args, train_transforms, tokenizer, num_train_timesteps, latent_shape, text_shape, weight_dtype, epoch):
     """A module-level function (and a `partial` of it) pickles, so dataloader workers can be spawned.
 
     Each image's crop, flip, caption choice, noise ε and timestep t come from a seed of (seed, epoch, row), not
     from the global random stream: the same draws however the run is batched, split across processes or resumed
-    (the dataloader reads a batch ahead, which would shift a shared stream)."""
-    columns = {"pixel_values": [], "captions": [], "noise": [], "perturbation": [], "timesteps": [], "latent_noise": [],
-               "unreadable": []}
+    (the dataloader reads a batch ahead, which would shift a shared stream). With the caches, the stored encodings
+    stand in for the image and the caption, picked by the same draws."""
+    columns = {name: [] for name in ("pixel_values", "latent_moments", "captions", "text_embeddings", "noise", "perturbation",
+                                     "timesteps", "latent_noise", "unreadable")}
     captions = examples[args.caption_column] if args.instance_prompt is None else [args.instance_prompt] * len(examples[ROW])
-    for item, caption, row in zip(examples[args.image_column], captions, examples[ROW]):
-        image = open_image(item)
-        columns["unreadable"].append("" if image is not None else item["path"] or f"row {row}")  # the loop stops on it
+    for i, (caption, row) in enumerate(zip(captions, examples[ROW])):
         with torch.random.fork_rng(devices=[]):
             torch.default_generator.manual_seed(sample_seed(args.seed, epoch, row))  # CPU only: 100x cheaper than torch.manual_seed
-            columns["pixel_values"].append(train_transforms((image if image is not None else Image.new("RGB", (1, 1))).convert("RGB")))
-            columns["captions"].append(caption if isinstance(caption, str) else caption[torch.randint(len(caption), ())])
+            if args.cache_latents:  # one draw, as RandomHorizontalFlip makes (also at p = 0), picks the orientation
+                flipped = int(torch.rand(1) < (0.5 if args.random_flip else 0.0))
+                columns["latent_moments"].append(from_bytes(examples["latent_moments"][i], weight_dtype, (2 * latent_shape[0], *latent_shape[1:]))[flipped])
+            else:
+                image = open_image(examples[args.image_column][i])
+                columns["unreadable"].append("" if image is not None else examples[args.image_column][i]["path"] or f"row {row}")  # the loop stops on it
+                columns["pixel_values"].append(train_transforms((image if image is not None else Image.new("RGB", (1, 1))).convert("RGB")))
+            choice = 0 if isinstance(caption, str) else int(torch.randint(len(caption), ()))  # one caption of a list
+            if args.cache_text_embeddings:
+                columns["text_embeddings"].append(from_bytes(examples["text_embeddings"][i], weight_dtype, text_shape)[choice])
+            else:
+                columns["captions"].append(caption if isinstance(caption, str) else caption[choice])
             noise = torch.randn(latent_shape)
             noise += args.noise_offset * torch.randn(latent_shape[0], 1, 1)  # shifts whole channels: learns brightness
             columns["noise"].append(noise)
             columns["perturbation"].append(args.input_perturbation * torch.randn(latent_shape))  # UNet input only
             columns["timesteps"].append(torch.randint(0, num_train_timesteps, ()))
             columns["latent_noise"].append(torch.randn(latent_shape))  # to sample the VAE's posterior
-    columns["input_ids"] = list(tokenizer(columns.pop("captions"), max_length=tokenizer.model_max_length,
-                                          padding="max_length", truncation=True, return_tensors="pt").input_ids)
+    if not args.cache_text_embeddings:
+        columns["input_ids"] = list(tokenizer(columns["captions"], max_length=tokenizer.model_max_length,
+                                              padding="max_length", truncation=True, return_tensors="pt").input_ids)
+    return {name: values for name, values in columns.items() if values and name != "captions"}
+
+
+def training_flops(model, text_encoder, args, noisy_latents, timesteps, text):
+    """The FLOPs of one forward and backward of the UNet with its LoRA (and, with --train_text_encoder, of the text
+    encoder with its LoRA, then `text` is the token ids; else the frozen encoder's output) on inputs of these shapes,
+    counted by torch on copies built on the meta device: no memory, no compute. (Counted on the real step, the backward
+    rounds differently, and exact resume would be lost.) With gradient checkpointing the copies run it as training does."""
+    with torch.device("meta"):
+        unet = type(model).from_config(model.config)
+        unet.add_adapter(model.peft_config["default"])
+        encoder = type(text_encoder)(text_encoder.config) if args.train_text_encoder else None
+        if encoder is not None:
+            encoder.add_adapter(text_encoder.peft_config["default"])
+    if args.gradient_checkpointing:
+        unet.enable_gradient_checkpointing()
+        if encoder is not None:
+            encoder.gradient_checkpointing_enable()
+    with FlopCounterMode(display=False) as counter:
+        states = encoder(text.to("meta"), return_dict=False)[0] if encoder is not None else text.to("meta")
+        unet(noisy_latents.to("meta"), timesteps.to("meta"), states, return_dict=False)[0].float().mean().backward()
+    return counter.get_total_flops()
+
+
+def cache_encodings(accelerator, args, dataset, vae, text_encoder, tokenizer, weight_dtype, encode_transforms):
+    """Run the frozen encoders once per image, before training. --cache_latents keeps the VAE posterior's moments
+    (mean and log-variance, both orientations with --random_flip), so each step still draws its own z_0 = μ + σ·ε;
+    --cache_text_embeddings keeps the text encoder's output for each caption (each one of a list). `datasets` writes
+    them to Arrow files beside the data (--cache_dir), named by a fingerprint of what decides them, so a second run
+    on the same data, models and flags reads them back. Each process encodes its share; then the encoders leave the
+    accelerator until validation."""
+    start, n = time.perf_counter(), accelerator.num_processes
+    key = [dataset._fingerprint, args.pretrained_model_name_or_path, args.revision, args.variant, str(weight_dtype), args.resolution,
+           args.image_interpolation_mode, args.random_flip, args.cache_latents, args.cache_text_embeddings, args.instance_prompt]
+    fingerprint = broadcast_object_list([hashlib.sha256(json.dumps(key).encode()).hexdigest()[:16]])[0]  # the main process's
+    encode = dict(function=partial(encode_batch, args=args, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer,
+                                   encode_transforms=encode_transforms), batched=True, batch_size=args.train_batch_size,
+                  remove_columns=args.image_column if args.cache_latents else None, desc="Encoding the training images once")
+
+    def shard(i):  # process i's share: encoded, or read back from the file written when it was
+        return dataset.shard(n, i, contiguous=True).map(**encode, new_fingerprint=f"{fingerprint}-{i}-of-{n}")
+    shard(accelerator.process_index)
+    accelerator.wait_for_everyone()
+    dataset = datasets.concatenate_datasets([shard(i) for i in range(n)])
+    vae.to("cpu" if args.cache_latents else vae.device)
+    text_encoder.to("cpu" if args.cache_text_embeddings else text_encoder.device)
+    free_memory()
+    stored = sum(len(dataset[0][c]) for c in ("latent_moments", "text_embeddings") if c in dataset.column_names)
+    logger.info(f"Cached the encodings of {len(dataset)} images in {time.perf_counter() - start:.1f} s, {stored:,} bytes per image")
+    return dataset
+
+
+def encode_batch(examples, args, vae, text_encoder, tokenizer, encode_transforms):
+    """A batch of the caches: the raw bytes of each image's VAE moments (unflipped, flipped) and of each caption's
+    embeddings, in the frozen models' dtype."""
+    columns, to_bytes = {}, lambda tensor: tensor.cpu().contiguous().view(torch.uint8).numpy().tobytes()
+    with torch.no_grad():
+        if args.cache_latents:
+            images = [open_image(item) for item in examples[args.image_column]]
+            for item, image, row in zip(examples[args.image_column], images, examples[ROW]):
+                if image is None:
+                    raise SystemExit(f"error: image {item['path'] or f'row {row}'} cannot be read")
+            pixels = torch.stack([encode_transforms(image.convert("RGB")) for image in images]).to(vae.device, vae.dtype)
+            moments = [vae.encode(p).latent_dist.parameters for p in ([pixels, pixels.flip(-1)] if args.random_flip else [pixels])]
+            columns["latent_moments"] = [to_bytes(m) for m in torch.stack(moments, dim=1)]
+        if args.cache_text_embeddings:
+            captions = examples[args.caption_column] if args.instance_prompt is None else [args.instance_prompt] * len(examples[ROW])
+            alternatives = [[c] if isinstance(c, str) else c for c in captions]
+            input_ids = tokenizer(sum(alternatives, []), max_length=tokenizer.model_max_length, padding="max_length",
+                                  truncation=True, return_tensors="pt").input_ids
+            embeddings = text_encoder(input_ids.to(text_encoder.device), return_dict=False)[0]
+            columns["text_embeddings"] = [to_bytes(e) for e in embeddings.split([len(a) for a in alternatives])]
     return columns
+
+
+def from_bytes(data, dtype, shape):
+    """Cached tensors back from their bytes: a stack of tensors of the given shape."""
+    return torch.frombuffer(bytearray(data), dtype=dtype).view(-1, *shape)
 
 
 def check_pipeline_folder(path):
@@ -566,7 +689,7 @@ def check_images(dataset, column):
 
 def stop_on_unreadable(batch, args):
     """A large dataset's images are decoded as they load: a broken one ends the run here, by name."""
-    for name in batch["unreadable"]:
+    for name in batch.get("unreadable", ()):  # none with --cache_latents: the images were read when cached
         if name:
             found = [d for d in os.listdir(args.output_dir) if is_checkpoint_name(d)] if os.path.isdir(args.output_dir) else []
             last = f"; fix or remove it and resume from {max(found, key=lambda d: int(d[11:]))}" if found else ""
@@ -718,7 +841,7 @@ def log_validation(accelerator, args, vae, text_encoder, tokenizer, model, ema_m
     columns = []
     for scale in (0.0, 1.0):
         generator = torch.Generator("cpu").manual_seed(args.seed)  # the same starting noise every time
-        with accelerator.autocast():
+        with accelerator.autocast(), offload_models(vae, text_encoder, device=accelerator.device):  # back after caching
             columns.append(pipeline(args.validation_prompts, num_images_per_prompt=args.num_validation_images, num_inference_steps=20,
                                     generator=generator, height=args.resolution, width=args.resolution,
                                     cross_attention_kwargs={"scale": scale}, output_type="np").images)

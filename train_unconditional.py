@@ -42,6 +42,7 @@ from diffusers.optimization import SchedulerType, get_scheduler
 from huggingface_hub import create_repo, upload_folder
 from diffusers.training_utils import EMAModel, compute_snr
 from PIL import Image
+from torch.utils.flop_counter import FlopCounterMode
 from torchvision import transforms
 from tqdm.auto import tqdm
 
@@ -52,6 +53,10 @@ PER_STEP = ("num_processes", "train_batch_size", "gradient_accumulation_steps") 
 SHARDING = (DistributedType.DEEPSPEED, DistributedType.FSDP)  # backends that store a checkpoint in their own way
 SPLIT_NAMES = {"train", "training", "test", "testing", "eval", "evaluation", "valid", "validation", "val", "dev"}
 FULL_IMAGE_CHECK = 10_000  # datasets up to this size are decoded in full before training; larger ones as they load
+# Dense bf16/fp16 tensor-core peaks (datasheets, sparsity excluded) in TFLOP/s, for MFU. The first key found in
+# torch.cuda.get_device_name() wins: H100 SXM calls itself "H100 80GB HBM3"; GeForce figures are with fp32 accumulation.
+PEAK_TFLOPS = {"H100 NVL": 835, "H100 PCIe": 756, "H100": 989, "H200 NVL": 835, "H200": 989, "B200": 2250, "A100": 312,
+               "A10G": 70, "A10": 125, "L40S": 362, "L40": 181, "L4": 121, "RTX 4090": 165, "RTX 3090": 71, "V100": 125}
 
 
 # 1. Arguments: the Diffusers example's flags and defaults, so existing commands work unchanged
@@ -100,6 +105,7 @@ def parse_args(argv=None):
     p.add_argument("--mixed_precision", default=None, choices=["no", "fp16", "bf16"],
                    help="Defaults to the `accelerate config` setting.")
     p.add_argument("--allow_tf32", action="store_true", help="Faster fp32 matmuls on Ampere and newer GPUs.")
+    p.add_argument("--peak_tflops", type=float, default=None, help="The accelerator's dense peak, for the MFU log.")
     p.add_argument("--prediction_type", default="epsilon", choices=["epsilon", "sample"])
     p.add_argument("--snr_gamma", type=float, default=None, help="Min-SNR-γ loss weighting; 5.0 is common.")
     p.add_argument("--ddpm_num_steps", type=int, default=1000)
@@ -263,6 +269,9 @@ def main(args):
         range(args.max_train_steps), initial=global_step, desc="Steps", disable=not accelerator.is_local_main_process
     )
     train_loss, step_start = torch.zeros((), device=accelerator.device), time.perf_counter()
+    flops, peak = None, args.peak_tflops  # the FLOPs of one micro-batch, counted at the first; the peak MFU divides by
+    if peak is None and accelerator.device.type == "cuda":
+        peak = next((tflops for name, tflops in PEAK_TFLOPS.items() if name in torch.cuda.get_device_name()), None)
     for epoch in range(first_epoch, args.num_train_epochs):
         model.train()
         train_dataset.set_transform(partial(preprocess_train, **data, epoch=epoch))
@@ -275,6 +284,9 @@ def main(args):
             clean_images, noise, timesteps = batch["pixel_values"], batch["noise"], batch["timesteps"]
             # The forward process in closed form: x_t = √ᾱ_t·x_0 + √(1−ᾱ_t)·ε
             noisy_images = noise_scheduler.add_noise(clean_images, noise, timesteps)
+            if flops is None:  # once, at the first micro-batch
+                flops = training_flops(accelerator.unwrap_model(model), args, noisy_images, timesteps)
+                logger.info(f"One micro-batch of {len(timesteps)} images: UNet forward and backward {flops:.4g} FLOPs")
 
             with accelerator.accumulate(model):
                 model_output = model(noisy_images.to(input_dtype), timesteps).sample
@@ -296,12 +308,14 @@ def main(args):
                     ema_model.step(model.parameters())
                 global_step += 1
                 train_loss = accelerator.reduce(train_loss, "mean").item()  # the mean over all processes, for the log
-                images_per_s = total_batch_size / (time.perf_counter() - step_start)
-                logs = {"loss": train_loss, "lr": lr_scheduler.get_last_lr()[0], "img/s": images_per_s}
+                seconds = time.perf_counter() - step_start
+                tflops = flops * args.gradient_accumulation_steps / seconds / 1e12  # the UNet's, on each process
+                logs = {"loss": train_loss, "lr": lr_scheduler.get_last_lr()[0], "img/s": total_batch_size / seconds,
+                        "tflops": tflops, **({"mfu": tflops / peak} if peak else {})}
                 if args.use_ema:
                     logs["ema_decay"] = ema_model.cur_decay_value
                 progress_bar.update(1)
-                progress_bar.set_postfix(loss=train_loss, img_s=f"{images_per_s:.1f}")
+                progress_bar.set_postfix(loss=train_loss, img_s=f"{logs['img/s']:.1f}", tflops=f"{tflops:.3g}")
                 accelerator.log(logs, step=global_step)
                 if global_step % args.checkpointing_steps == 0:
                     save_checkpoint(accelerator, args, global_step)
@@ -390,6 +404,19 @@ def preprocess_train(examples, args, train_transforms, in_channels, epoch):
             columns["noise"].append(torch.randn(pixel_values.shape))
             columns["timesteps"].append(torch.randint(0, args.ddpm_num_steps, ()))
     return columns
+
+
+def training_flops(model, args, *inputs):
+    """The FLOPs of one forward and backward of the model on inputs of these shapes, counted by torch on a copy built
+    on the meta device: no memory, no compute. (Counted on the real step, the backward rounds differently, and exact
+    resume would be lost.) With gradient checkpointing the copy runs each block's forward twice, as training does."""
+    with torch.device("meta"):
+        copy = type(model).from_config(model.config)
+    if args.gradient_checkpointing:
+        copy.enable_gradient_checkpointing()
+    with FlopCounterMode(display=False) as counter:
+        copy(*(x.to("meta") for x in inputs), return_dict=False)[0].float().mean().backward()
+    return counter.get_total_flops()
 
 
 def image_for_model(image, args, channels):

@@ -1,5 +1,6 @@
 """train_dit.py: the checkpoint contract, exact resume, two processes, the paper's fixes, guidance, output, bad input."""
 import json
+import re
 import shutil
 from argparse import Namespace
 
@@ -145,9 +146,9 @@ def test_labels_are_dropped_once_per_image_at_the_requested_rate(dit, tmp_path):
     examples = {"image": [{"bytes": None, "path": str(tmp_path / "x.png")}] * n, "label": [i % 5 for i in range(n)],
                 dit.ROW: list(range(n))}
     args = Namespace(image_column="image", label_column="label", seed=0, preserve_input_precision=False, ddpm_num_steps=1000,
-                     class_dropout_prob=0.3, pretrained_vae_model_name_or_path=None)
+                     class_dropout_prob=0.3, pretrained_vae_model_name_or_path=None, cache_latents=False)
     draw = dict(examples=examples, args=args, train_transforms=transforms.ToTensor(), in_channels=1, noise_shape=(1, 16, 16),
-                null_class=5)
+                null_class=5, weight_dtype=torch.float32)
     labels = torch.stack(dit.preprocess_train(**draw, epoch=0)["class_labels"])
     dropped = labels == 5
     assert abs(dropped.float().mean().item() - 0.3) < 0.03  # 4000 draws: ±0.007 is one standard deviation
@@ -194,16 +195,25 @@ def class_subfolders(tmp_path_factory):
     return str(path)
 
 
-def test_with_a_vae_the_output_is_a_dit_pipeline_that_guides_with_the_trained_null_class(dit, class_subfolders, tiny_dit_config_path,
-                                                                                         tmp_path):
-    from diffusers import AutoencoderKL, DDIMScheduler, DiTPipeline, DiTTransformer2DModel
+@pytest.fixture(scope="module")
+def tiny_vae_path(tmp_path_factory):
+    """A pipeline folder holding only a tiny VAE (4 latent channels, downsampling 2), in vae/."""
+    from diffusers import AutoencoderKL
 
+    path = tmp_path_factory.mktemp("sd")
     torch.manual_seed(0)
     AutoencoderKL(block_out_channels=(8, 8), down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2,
-                  latent_channels=4, norm_num_groups=8, sample_size=16).save_pretrained(tmp_path / "sd" / "vae")
+                  latent_channels=4, norm_num_groups=8, sample_size=16).save_pretrained(path / "vae")
+    return str(path)
+
+
+def test_with_a_vae_the_output_is_a_dit_pipeline_that_guides_with_the_trained_null_class(dit, class_subfolders, tiny_dit_config_path,
+                                                                                         tiny_vae_path, tmp_path):
+    from diffusers import DDIMScheduler, DiTPipeline, DiTTransformer2DModel
+
     out = tmp_path / "out"
     run_script(SCRIPT, ["--train_data_dir", class_subfolders, "--model_config_name_or_path", tiny_dit_config_path,
-                        "--pretrained_vae_model_name_or_path", tmp_path / "sd", "--vae_subfolder", "vae", "--resolution", "16",
+                        "--pretrained_vae_model_name_or_path", tiny_vae_path, "--vae_subfolder", "vae", "--resolution", "16",
                         "--train_batch_size", "2", "--max_train_steps", "3", "--learning_rate", "1e-2", "--num_inference_steps", "2",
                         "--eval_batch_size", "1", "--checkpointing_steps", "3", "--output_dir", out, "--seed", "0", "--report_to", "none"])
     pipe = DiTPipeline.from_pretrained(out)
@@ -215,6 +225,19 @@ def test_with_a_vae_the_output_is_a_dit_pipeline_that_guides_with_the_trained_nu
     ours = dit.sample_images(trained, DDIMScheduler.from_pretrained(out, subfolder="scheduler"), torch.tensor([0, 2]), 4.0, 2, pipe.vae,
                              torch.manual_seed(0))
     np.testing.assert_allclose(images, ours.permute(0, 2, 3, 1).numpy(), rtol=0, atol=1e-5)
+
+
+def test_cached_latents_train_the_weights_of_an_uncached_run(class_subfolders, tiny_dit_config_path, tiny_vae_path, tmp_path):
+    """--cache_latents: the VAE encodes each image once, both orientations, before training (and not in the loop: 0
+    FLOPs there); the transformer ends as in a run that encodes every step, up to float reordering."""
+    args = ["--train_data_dir", class_subfolders, "--model_config_name_or_path", tiny_dit_config_path, "--pretrained_vae_model_name_or_path",
+            tiny_vae_path, "--vae_subfolder", "vae", "--resolution", "16", "--center_crop", "--random_flip", "--class_dropout_prob", "0.3",
+            "--train_batch_size", "2", "--max_train_steps", "4", "--learning_rate", "1e-3", "--num_inference_steps", "1",
+            "--eval_batch_size", "1", "--checkpointing_steps", "100", "--seed", "0", "--report_to", "none", *STABLE_ADAM]
+    run_script(SCRIPT, args + ["--output_dir", tmp_path / "plain"])
+    log = run_script(SCRIPT, args + ["--output_dir", tmp_path / "cached", "--cache_latents"])
+    assert "Cached the encodings of 6 images" in log and re.search(r"frozen VAE 0$", log, re.MULTILINE)
+    assert_same_weights(unet_weights(tmp_path / "cached" / "transformer"), unet_weights(tmp_path / "plain" / "transformer"), **EQUIVALENT)
 
 
 @pytest.fixture(scope="module")
@@ -274,6 +297,7 @@ def test_bad_labels_are_one_clear_error(dit):
     (["--class_dropout_prob", "1"], "--class_dropout_prob 1.0 must be in [0, 1)"),
     (["--prediction_type", "sample"], "argument --prediction_type: invalid choice: 'sample'"),
     (["--model_type", "DiT-M/2"], "argument --model_type: invalid choice: 'DiT-M/2'"),
+    (["--cache_latents", "--center_crop"], "--cache_latents needs --pretrained_vae_model_name_or_path"),
 ])
 def test_bad_flags_are_rejected_by_the_parser(argv, expected, dit, capsys):
     with pytest.raises(SystemExit) as exit:

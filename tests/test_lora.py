@@ -243,6 +243,17 @@ def test_deepspeed_refuses_text_encoder_training_and_zero3(base, tmp_path):
         assert expected in log and "Steps:" not in log and not any(victim.iterdir())
 
 
+def test_cached_encodings_train_the_lora_of_an_uncached_run(base, tmp_path):
+    """The VAE and text encoder run once per image, before training; the LoRA ends as in a run that encodes every
+    step (up to float reordering)."""
+    args = base + ["--center_crop", "--random_flip", "--train_batch_size", "2", "--max_train_steps", "4", "--checkpointing_steps", "100",
+                   *STABLE_ADAM]
+    run_script(SCRIPT, args + ["--output_dir", tmp_path / "plain"])
+    log = run_script(SCRIPT, args + ["--output_dir", tmp_path / "cached", "--cache_latents", "--cache_text_embeddings"])
+    assert "Cached the encodings of 12 images" in log and re.search(r"frozen VAE and text encoder 0$", log, re.MULTILINE)
+    assert_same_weights(lora_weights(tmp_path / "cached"), lora_weights(tmp_path / "plain"), **EQUIVALENT)
+
+
 # ----------------------------------------------------------------------------- bad input
 
 
@@ -287,7 +298,7 @@ def test_bad_input_is_one_clear_error(case, base, tmp_path, plain_image_folder, 
     assert (snapshot(Path(victim)) if Path(victim).exists() else None) == before
 
 
-def test_one_validation_prompt_or_several(monkeypatch):
+def test_one_validation_prompt_or_several(monkeypatch, capsys):
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent.parent))
     from train_lora import parse_args
 
@@ -296,3 +307,6 @@ def test_one_validation_prompt_or_several(monkeypatch):
     assert parse_args(required + ["--validation_prompts", "a", "b"]).validation_prompts == ["a", "b"]
     args = parse_args(required + ["--rank", "8"])
     assert (args.lora_alpha, args.text_encoder_lr) == (8, args.learning_rate)  # the defaults follow --rank and the LR
+    with pytest.raises(SystemExit):  # a text encoder that learns has no fixed embeddings to cache
+        parse_args(required + ["--cache_text_embeddings", "--train_text_encoder"])
+    assert "--cache_text_embeddings cannot be used with --train_text_encoder" in capsys.readouterr().err

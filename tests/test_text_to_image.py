@@ -1,5 +1,6 @@
 """train_text_to_image.py: the checkpoint contract, exact resume, min-SNR, v-prediction, frozen parts, output, bad input."""
 import json
+import re
 import shlex
 import shutil
 from pathlib import Path
@@ -160,6 +161,30 @@ def test_checkpoint_contract_without_ema_and_list_captions(base, list_caption_fo
     generate(out)
 
 
+@pytest.mark.parametrize("flip", [False, True], ids=["no_flip", "flip"])
+def test_cached_encodings_train_the_weights_of_an_uncached_run(flip, base, list_caption_folder, tmp_path):
+    """--cache_latents --cache_text_embeddings: the VAE and text encoder run once per image before training (and not
+    in the loop: 0 FLOPs there), and the same seed ends with the weights of a run that encodes every step: the same
+    posterior noise, flip and caption draws. Captions are lists, each one cached. Equal up to float reordering (the
+    encoders see other batches), hence EQUIVALENT; a cache read in the wrong orientation moved them ~20% of the update."""
+    args = base + ["--train_data_dir", list_caption_folder, "--center_crop", *(["--random_flip"] if flip else []), "--seed", "0",
+                   "--train_batch_size", "2", "--max_train_steps", "4", "--learning_rate", "1e-3", "--checkpointing_steps", "100", *STABLE_ADAM]
+    cache = ["--cache_latents", "--cache_text_embeddings"]
+    run_script(SCRIPT, args + ["--output_dir", tmp_path / "plain"])
+    log = run_script(SCRIPT, args + cache + ["--output_dir", tmp_path / "cached"])
+    assert "Encoding the training images once" in log and "Cached the encodings of 20 images" in log
+    assert re.search(r"frozen VAE and text encoder 0$", log, re.MULTILINE)
+    plain, cached = unet_weights(tmp_path / "plain" / "unet"), unet_weights(tmp_path / "cached" / "unet")
+    assert_same_weights(cached, plain, **EQUIVALENT)
+    if flip:  # two processes: each encodes its half, then both read both halves
+        run_script(SCRIPT, args + cache + ["--output_dir", tmp_path / "ddp", "--train_batch_size", "1"], num_processes=2)
+        assert_same_weights(unet_weights(tmp_path / "ddp" / "unet"), plain, **EQUIVALENT)
+    else:  # a second run on the same data, models and flags reads the cache back
+        log = run_script(SCRIPT, args + cache + ["--output_dir", tmp_path / "again"])
+        assert "Encoding the training images once" not in log
+        assert_same_weights(unet_weights(tmp_path / "again" / "unet"), cached, rtol=0, atol=0)
+
+
 @pytest.fixture(scope="module")
 def victim(tmp_path_factory, reference):
     """An output_dir with earlier work that no bad command may touch."""
@@ -221,6 +246,7 @@ def test_bad_input_is_one_clear_error(case, victim, base, tmp_path, caption_fold
      "argument --prediction_type: invalid choice: 'sample'"),
     (["--pretrained_model_name_or_path", "x", "--train_data_dir", "x", "--report_to", "wandb", "--hub_token", "t"],
      "--hub_token with --report_to wandb would"),
+    (["--pretrained_model_name_or_path", "x", "--train_data_dir", "x", "--cache_latents"], "--cache_latents needs --center_crop"),
 ])
 def test_bad_flags_are_rejected_by_the_parser(argv, expected, capsys, monkeypatch):
     monkeypatch.syspath_prepend(str(REPO))
@@ -325,7 +351,7 @@ def test_captions_come_from_the_instance_prompt_else_metadata_else_caption_files
     from torchvision import transforms
 
     to_tensor = transforms.Compose([transforms.Resize(64), transforms.CenterCrop(64), transforms.ToTensor()])
-    batch = module.preprocess_train(dataset[:3], args, to_tensor, tokenizer, 1000, (4, 8, 8), epoch=0)
+    batch = module.preprocess_train(dataset[:3], args, to_tensor, tokenizer, 1000, (4, 8, 8), (77, 32), torch.float32, epoch=0)
     prompt_ids = tokenizer("a photo of sks digit", max_length=77, padding="max_length", return_tensors="pt").input_ids[0]
     assert all(torch.equal(ids, prompt_ids) for ids in batch["input_ids"])
 

@@ -1,4 +1,5 @@
-"""train_unconditional.py: the checkpoint contract, exact resume, equivalent runs, EMA, output, bad input."""
+"""train_unconditional.py: the checkpoint contract, exact resume, equivalent runs, EMA, output, FLOPs, bad input."""
+import re
 import shutil
 from argparse import Namespace
 from pathlib import Path
@@ -354,6 +355,32 @@ def test_the_diffusers_readme_command_runs_unchanged(label_folder, tiny_unet_con
 
     events = EventAccumulator(str(next((tmp_path / "ddpm-ema-flowers-64" / "logs").iterdir()))).Reload()
     assert "loss" in events.Tags()["scalars"] and "test_samples" in events.Tags()["images"]  # the example's names
+
+
+def test_flops_are_counted_at_the_first_step_and_utilisation_is_logged(label_folder, tiny_unet_config_path, tmp_path):
+    """torch's FlopCounterMode counts one micro-batch's forward and backward at the first step; every step logs
+    TFLOP/s and, against --peak_tflops, MFU. Gradient checkpointing runs each block's forward again: counted too."""
+    from diffusers import UNet2DModel
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from torch.utils.flop_counter import FlopCounterMode
+
+    args = ["--train_data_dir", label_folder, "--model_config_name_or_path", tiny_unet_config_path, "--resolution", "32",
+            "--train_batch_size", "2", "--max_train_steps", "3", "--save_images_epochs", "100", "--save_model_epochs", "100",
+            "--ddpm_num_inference_steps", "1", "--eval_batch_size", "1", "--logger", "tensorboard", "--peak_tflops", "0.5"]
+    counted = []
+    for extra in ([], ["--gradient_checkpointing"]):
+        log = run_script(SCRIPT, args + extra + ["--output_dir", tmp_path / f"run{len(counted)}"])
+        counted.append(float(re.search(r"One micro-batch of 2 images: UNet forward and backward (\S+) FLOPs", log).group(1)))
+    model = UNet2DModel.from_config(UNet2DModel.load_config(tiny_unet_config_path))
+    with FlopCounterMode(display=False) as counter:  # the forward alone, counted here on its own
+        model(torch.randn(2, model.config.in_channels, 32, 32), torch.tensor([1, 2]))
+    forward, (plain, checkpointed) = counter.get_total_flops(), counted
+    assert 2 * forward < plain <= 3 * forward  # the backward costs about twice the forward
+    assert plain < checkpointed < plain + forward
+    events = EventAccumulator(str(next((tmp_path / "run0" / "logs").iterdir()))).Reload()
+    tflops, mfu = ([event.value for event in events.Scalars(tag)] for tag in ("tflops", "mfu"))
+    assert len(tflops) == 3 and min(tflops) > 0
+    np.testing.assert_allclose(mfu, np.array(tflops) / 0.5, rtol=1e-6)
 
 
 def test_push_to_hub_offline_fails_before_training(label_folder, tiny_unet_config_path, tmp_path, run_in_process):

@@ -90,6 +90,7 @@ def parse_args(argv=None):
     p.add_argument("--validation_prompts", nargs="+", default=None, help="Several prompts: a row of the grid each.")
     p.add_argument("--num_validation_images", type=int, default=4, help="Images per prompt, with fixed seeds.")
     p.add_argument("--validation_epochs", type=int, default=1, help="Sample the validation prompts every N epochs.")
+    p.add_argument("--validation_steps", type=int, default=None, help="Also sample them every N steps.")
     p.add_argument("--output_dir", default="sd-model-finetuned-lora")
     p.add_argument("--cache_dir", default=None, help="Where models and datasets are cached.")
     p.add_argument("--seed", type=int, default=None)
@@ -363,8 +364,8 @@ def main(args):
             noisy_latents = noise_scheduler.add_noise(latents, noise + batch["perturbation"], timesteps)
             if flops is None:  # once, at the first micro-batch: the frozen models' and the trained pass's
                 text = batch["input_ids"] if args.train_text_encoder else encoder_hidden_states
-                flops = [counter.get_total_flops(), training_flops(*(accelerator.unwrap_model(m) for m in (model, text_encoder)), args,
-                                                                   noisy_latents, timesteps, text)]
+                unet, encoder = (accelerator.unwrap_model(m, keep_torch_compile=False) for m in (model, text_encoder))
+                flops = [counter.get_total_flops(), training_flops(unet, encoder, args, noisy_latents, timesteps, text)]
                 logger.info(f"One micro-batch of {len(timesteps)} images: {'text encoder and ' * args.train_text_encoder}UNet forward "
                             f"and backward {flops[1]:.4g} FLOPs, frozen {'VAE' if args.train_text_encoder else 'VAE and text encoder'} {flops[0]:.4g}")
 
@@ -401,6 +402,9 @@ def main(args):
                 accelerator.log(logs, step=global_step)
                 if global_step % args.checkpointing_steps == 0:
                     save_checkpoint(accelerator, args, global_step)
+                if args.validation_prompts and args.validation_steps and global_step % args.validation_steps == 0:
+                    log_validation(accelerator, args, vae, text_encoder, tokenizer, model, ema_model if args.use_ema else None,
+                                   lora_params, noise_scheduler, global_step)
                 train_loss, step_start = torch.zeros((), device=accelerator.device), time.perf_counter()
             if global_step >= args.max_train_steps:
                 break
@@ -539,29 +543,34 @@ def training_flops(model, text_encoder, args, noisy_latents, timesteps, text):
         unet.enable_gradient_checkpointing()
         if encoder is not None:
             encoder.gradient_checkpointing_enable()
-    with FlopCounterMode(display=False) as counter:
-        states = encoder(text.to("meta"), return_dict=False)[0] if encoder is not None else text.to("meta")
-        unet(noisy_latents.to("meta"), timesteps.to("meta"), states, return_dict=False)[0].float().mean().backward()
+    with FlopCounterMode(display=False) as counter:  # inputs in fp32, as the copies are
+        states = encoder(text.to("meta"), return_dict=False)[0] if encoder is not None else text.to("meta", torch.float32)
+        unet(noisy_latents.to("meta", torch.float32), timesteps.to("meta"), states, return_dict=False)[0].float().mean().backward()
     return counter.get_total_flops()
 
 
 def cache_encodings(accelerator, args, dataset, vae, text_encoder, tokenizer, weight_dtype, encode_transforms):
     """Run the frozen encoders once per image, before training. --cache_latents keeps the VAE posterior's moments
     (mean and log-variance, both orientations with --random_flip), so each step still draws its own z_0 = μ + σ·ε;
-    --cache_text_embeddings keeps the text encoder's output for each caption (each one of a list). `datasets` writes
-    them to Arrow files beside the data (--cache_dir), named by a fingerprint of what decides them, so a second run
-    on the same data, models and flags reads them back. Each process encodes its share; then the encoders leave the
-    accelerator until validation."""
+    --cache_text_embeddings keeps the text encoder's output for each caption (each one of a list). `datasets.map`
+    writes them to Arrow files in <--cache_dir or the datasets cache>/encodings, named by a fingerprint of what decides
+    them, so a second run on the same data, models and flags reads them back. Each process encodes its share; then the
+    encoders leave the accelerator until validation."""
     start, n = time.perf_counter(), accelerator.num_processes
-    key = [dataset._fingerprint, args.pretrained_model_name_or_path, args.revision, args.variant, str(weight_dtype), args.resolution,
-           args.image_interpolation_mode, args.random_flip, args.cache_latents, args.cache_text_embeddings, args.instance_prompt]
+    key = [dataset._fingerprint, args.image_column, args.caption_column, args.instance_prompt, args.pretrained_model_name_or_path,
+           args.revision, args.variant, str(weight_dtype), args.resolution, args.image_interpolation_mode, args.random_flip,
+           args.cache_latents, args.cache_text_embeddings]  # the data (its files and every change made to it), the models, the flags
     fingerprint = broadcast_object_list([hashlib.sha256(json.dumps(key).encode()).hexdigest()[:16]])[0]  # the main process's
     encode = dict(function=partial(encode_batch, args=args, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer,
                                    encode_transforms=encode_transforms), batched=True, batch_size=args.train_batch_size,
                   remove_columns=args.image_column if args.cache_latents else None, desc="Encoding the training images once")
+    folder = os.path.join(args.cache_dir or datasets.config.HF_DATASETS_CACHE, "encodings")
+    os.makedirs(folder, exist_ok=True)
 
     def shard(i):  # process i's share: encoded, or read back from the file written when it was
-        return dataset.shard(n, i, contiguous=True).map(**encode, new_fingerprint=f"{fingerprint}-{i}-of-{n}")
+        name = f"{fingerprint}-{i}-of-{n}"
+        return dataset.shard(n, i, contiguous=True).map(**encode, new_fingerprint=name, load_from_cache_file=True,
+                                                        cache_file_name=os.path.join(folder, f"{name}.arrow"))
     shard(accelerator.process_index)
     accelerator.wait_for_everyone()
     dataset = datasets.concatenate_datasets([shard(i) for i in range(n)])

@@ -340,7 +340,8 @@ def main(args):
             # The forward process in closed form: z_t = √ᾱ_t·z_0 + √(1−ᾱ_t)·ε (ε perturbed if asked)
             noisy_latents = noise_scheduler.add_noise(latents, noise + batch["perturbation"], timesteps)
             if flops is None:  # once, at the first micro-batch: the frozen encoders' and the UNet's
-                flops = [counter.get_total_flops(), training_flops(accelerator.unwrap_model(model), args, noisy_latents, timesteps, encoder_hidden_states)]
+                unet = accelerator.unwrap_model(model, keep_torch_compile=False)
+                flops = [counter.get_total_flops(), training_flops(unet, args, noisy_latents, timesteps, encoder_hidden_states)]
                 logger.info(f"One micro-batch of {len(timesteps)} images: UNet forward and backward {flops[1]:.4g} FLOPs, "
                             f"frozen VAE and text encoder {flops[0]:.4g}")
 
@@ -503,28 +504,34 @@ def training_flops(model, args, *inputs):
         copy = type(model).from_config(model.config)
     if args.gradient_checkpointing:
         copy.enable_gradient_checkpointing()
+    inputs = [x.to("meta", torch.float32 if x.is_floating_point() else x.dtype) for x in inputs]  # fp32, as the copy is
     with FlopCounterMode(display=False) as counter:
-        copy(*(x.to("meta") for x in inputs), return_dict=False)[0].float().mean().backward()
+        copy(*inputs, return_dict=False)[0].float().mean().backward()
     return counter.get_total_flops()
 
 
 def cache_encodings(accelerator, args, dataset, vae, text_encoder, tokenizer, weight_dtype, encode_transforms):
     """Run the frozen encoders once per image, before training. --cache_latents keeps the VAE posterior's moments
     (mean and log-variance, both orientations with --random_flip), so each step still draws its own z_0 = μ + σ·ε;
-    --cache_text_embeddings keeps the text encoder's output for each caption (each one of a list). `datasets` writes
-    them to Arrow files beside the data (--cache_dir), named by a fingerprint of what decides them, so a second run
-    on the same data, models and flags reads them back. Each process encodes its share; then the encoders leave the
-    accelerator until validation."""
+    --cache_text_embeddings keeps the text encoder's output for each caption (each one of a list). `datasets.map`
+    writes them to Arrow files in <--cache_dir or the datasets cache>/encodings, named by a fingerprint of what decides
+    them, so a second run on the same data, models and flags reads them back. Each process encodes its share; then the
+    encoders leave the accelerator until validation."""
     start, n = time.perf_counter(), accelerator.num_processes
-    key = [dataset._fingerprint, args.pretrained_model_name_or_path, args.revision, args.variant, str(weight_dtype), args.resolution,
-           args.image_interpolation_mode, args.random_flip, args.cache_latents, args.cache_text_embeddings, args.instance_prompt]
+    key = [dataset._fingerprint, args.image_column, args.caption_column, args.instance_prompt, args.pretrained_model_name_or_path,
+           args.revision, args.variant, str(weight_dtype), args.resolution, args.image_interpolation_mode, args.random_flip,
+           args.cache_latents, args.cache_text_embeddings]  # the data (its files and every change made to it), the models, the flags
     fingerprint = broadcast_object_list([hashlib.sha256(json.dumps(key).encode()).hexdigest()[:16]])[0]  # the main process's
     encode = dict(function=partial(encode_batch, args=args, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer,
                                    encode_transforms=encode_transforms), batched=True, batch_size=args.train_batch_size,
                   remove_columns=args.image_column if args.cache_latents else None, desc="Encoding the training images once")
+    folder = os.path.join(args.cache_dir or datasets.config.HF_DATASETS_CACHE, "encodings")
+    os.makedirs(folder, exist_ok=True)
 
     def shard(i):  # process i's share: encoded, or read back from the file written when it was
-        return dataset.shard(n, i, contiguous=True).map(**encode, new_fingerprint=f"{fingerprint}-{i}-of-{n}")
+        name = f"{fingerprint}-{i}-of-{n}"
+        return dataset.shard(n, i, contiguous=True).map(**encode, new_fingerprint=name, load_from_cache_file=True,
+                                                        cache_file_name=os.path.join(folder, f"{name}.arrow"))
     shard(accelerator.process_index)
     accelerator.wait_for_everyone()
     dataset = datasets.concatenate_datasets([shard(i) for i in range(n)])

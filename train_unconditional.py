@@ -285,7 +285,8 @@ def main(args):
             # The forward process in closed form: x_t = √ᾱ_t·x_0 + √(1−ᾱ_t)·ε
             noisy_images = noise_scheduler.add_noise(clean_images, noise, timesteps)
             if flops is None:  # once, at the first micro-batch
-                flops = training_flops(accelerator.unwrap_model(model), args, noisy_images, timesteps)
+                unet = accelerator.unwrap_model(model, keep_torch_compile=False)
+                flops = training_flops(unet, args, noisy_images, timesteps)
                 logger.info(f"One micro-batch of {len(timesteps)} images: UNet forward and backward {flops:.4g} FLOPs")
 
             with accelerator.accumulate(model):
@@ -414,8 +415,9 @@ def training_flops(model, args, *inputs):
         copy = type(model).from_config(model.config)
     if args.gradient_checkpointing:
         copy.enable_gradient_checkpointing()
+    inputs = [x.to("meta", torch.float32 if x.is_floating_point() else x.dtype) for x in inputs]  # fp32, as the copy is
     with FlopCounterMode(display=False) as counter:
-        copy(*(x.to("meta") for x in inputs), return_dict=False)[0].float().mean().backward()
+        copy(*inputs, return_dict=False)[0].float().mean().backward()
     return counter.get_total_flops()
 
 

@@ -47,7 +47,7 @@ def common(base):
 def reference(tmp_path_factory, common):
     out = tmp_path_factory.mktemp("lora") / "ref"
     log = run_script(SCRIPT, common + ["--train_batch_size", "2", "--output_dir", out, "--validation_prompts", *PROMPTS,
-                                       "--num_validation_images", "2", "--report_to", "tensorboard"])
+                                       "--num_validation_images", "2", "--validation_steps", "4", "--report_to", "tensorboard"])
     return out, log
 
 
@@ -124,6 +124,7 @@ def test_model_card_and_tracker(reference, tiny_sd_path):
     assert tiny_sd_path in card and "Rank 4, alpha 8" in card and "samples/step-6.png" in card
     assert f"pipe.load_lora_weights(\"{out}\")" in card and f"{out.name}.safetensors" in card
     assert list((out / "logs").rglob("events.out.tfevents.*"))
+    assert sorted(p.name for p in (out / "samples").iterdir()) == ["final.png", "step-4.png", "step-6.png"]  # --validation_steps 4
 
 
 def test_an_untrained_adapter_changes_nothing(base, tiny_sd_path, tmp_path):

@@ -169,20 +169,35 @@ def test_cached_encodings_train_the_weights_of_an_uncached_run(flip, base, list_
     encoders see other batches), hence EQUIVALENT; a cache read in the wrong orientation moved them ~20% of the update."""
     args = base + ["--train_data_dir", list_caption_folder, "--center_crop", *(["--random_flip"] if flip else []), "--seed", "0",
                    "--train_batch_size", "2", "--max_train_steps", "4", "--learning_rate", "1e-3", "--checkpointing_steps", "100", *STABLE_ADAM]
-    cache = ["--cache_latents", "--cache_text_embeddings"]
+    cache, encodings = ["--cache_latents", "--cache_text_embeddings", "--cache_dir", tmp_path / "cache"], tmp_path / "cache" / "encodings"
     run_script(SCRIPT, args + ["--output_dir", tmp_path / "plain"])
     log = run_script(SCRIPT, args + cache + ["--output_dir", tmp_path / "cached"])
     assert "Encoding the training images once" in log and "Cached the encodings of 20 images" in log
     assert re.search(r"frozen VAE and text encoder 0$", log, re.MULTILINE)
     plain, cached = unet_weights(tmp_path / "plain" / "unet"), unet_weights(tmp_path / "cached" / "unet")
     assert_same_weights(cached, plain, **EQUIVALENT)
+    assert [p.name[-13:] for p in encodings.glob("*.arrow")] == ["-0-of-1.arrow"]
     if flip:  # two processes: each encodes its half, then both read both halves
         run_script(SCRIPT, args + cache + ["--output_dir", tmp_path / "ddp", "--train_batch_size", "1"], num_processes=2)
         assert_same_weights(unet_weights(tmp_path / "ddp" / "unet"), plain, **EQUIVALENT)
+        assert sorted(p.name[-13:] for p in encodings.glob("*-of-2.arrow")) == ["-0-of-2.arrow", "-1-of-2.arrow"]
     else:  # a second run on the same data, models and flags reads the cache back
         log = run_script(SCRIPT, args + cache + ["--output_dir", tmp_path / "again"])
         assert "Encoding the training images once" not in log
         assert_same_weights(unet_weights(tmp_path / "again" / "unet"), cached, rtol=0, atol=0)
+
+
+def test_a_broken_image_met_while_caching_is_one_clear_error(base, corrupt_image_folder, tmp_path, run_in_process, monkeypatch):
+    """Above FULL_IMAGE_CHECK nothing is decoded up front; --cache_latents decodes every image before training, and
+    stops at a broken one by name, before anything is written to output_dir."""
+    monkeypatch.syspath_prepend(str(REPO))
+    import train_text_to_image
+
+    monkeypatch.setattr(train_text_to_image, "FULL_IMAGE_CHECK", 0)  # as for a huge dataset
+    log = run_in_process(SCRIPT, base + ["--train_data_dir", corrupt_image_folder, "--center_crop", "--cache_latents",
+                                         "--cache_dir", tmp_path / "cache", "--output_dir", tmp_path / "out"])
+    assert f"error: image {Path(corrupt_image_folder) / CORRUPT_FILE} cannot be read" in log
+    assert "Steps:" not in log and not (tmp_path / "out").exists()
 
 
 @pytest.fixture(scope="module")

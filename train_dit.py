@@ -725,6 +725,7 @@ def log_validation(accelerator, args, model, ema_model, noise_scheduler, global_
     if not (accelerator.is_main_process or sharded):
         return
     transformer = accelerator.unwrap_model(model, keep_torch_compile=False)
+    transformer.eval()  # no dropout while sampling (a config may set some); train() again below
     if ema_model is not None:  # sample with the EMA weights, then put the training weights back
         ema_model.store(transformer.parameters())
         ema_model.copy_to(transformer.parameters())
@@ -735,6 +736,7 @@ def log_validation(accelerator, args, model, ema_model, noise_scheduler, global_
                                args.guidance_scale, args.num_inference_steps, vae, torch.Generator("cpu").manual_seed(0)).float().cpu()
     if ema_model is not None:
         ema_model.restore(transformer.parameters())
+    transformer.train()
     if not accelerator.is_main_process:
         return
     os.makedirs(os.path.join(args.output_dir, "samples"), exist_ok=True)

@@ -809,12 +809,13 @@ def load_model_hook(accelerator, args, ema_model, models, input_dir):
 
 def save_lora(unet, text_encoder, output_dir):
     """The A and B matrices as diffusers writes them (`unet.`, `text_encoder.` keys), with each adapter's config
-    in the file's metadata: load_lora_weights then scales by the trained alpha / rank, not by 1."""
+    in the file's metadata: load_lora_weights then scales by the trained alpha / rank, not by 1. The config says
+    dropout 0: dropout is for training, and diffusers would load the UNet's in training mode, active when sampling."""
     StableDiffusionPipeline.save_lora_weights(
         output_dir, unet_lora_layers=convert_state_dict_to_diffusers(get_peft_model_state_dict(unet)),
-        unet_lora_adapter_metadata=unet.peft_config["default"].to_dict(),
+        unet_lora_adapter_metadata={**unet.peft_config["default"].to_dict(), "lora_dropout": 0.0},
         text_encoder_lora_layers=convert_state_dict_to_diffusers(get_peft_model_state_dict(text_encoder)) if text_encoder else None,
-        text_encoder_lora_adapter_metadata=text_encoder.peft_config["default"].to_dict() if text_encoder else None,
+        text_encoder_lora_adapter_metadata={**text_encoder.peft_config["default"].to_dict(), "lora_dropout": 0.0} if text_encoder else None,
     )
 
 
@@ -838,11 +839,13 @@ def log_validation(accelerator, args, vae, text_encoder, tokenizer, model, ema_m
     if ema_model is not None:  # sample with the EMA weights, then put the training weights back
         ema_model.store(lora_params)
         ema_model.copy_to(lora_params)
+    unet, text_encoder = (accelerator.unwrap_model(m, keep_torch_compile=False) for m in (model, text_encoder))
+    unet.eval()  # no LoRA dropout while sampling; train() again below
+    text_encoder.eval()
     # Built from the modules already in memory (no second VAE or text encoder), the trained weights never
     # cast; a multistep solver gives a fair picture in 20 steps.
     pipeline = StableDiffusionPipeline(
-        vae=vae, text_encoder=accelerator.unwrap_model(text_encoder, keep_torch_compile=False), tokenizer=tokenizer,
-        unet=accelerator.unwrap_model(model, keep_torch_compile=False),
+        vae=vae, text_encoder=text_encoder, tokenizer=tokenizer, unet=unet,
         scheduler=DPMSolverMultistepScheduler.from_config(noise_scheduler.config),
         safety_checker=None, feature_extractor=None, requires_safety_checker=False,
     )
@@ -856,6 +859,8 @@ def log_validation(accelerator, args, vae, text_encoder, tokenizer, model, ema_m
                                     cross_attention_kwargs={"scale": scale}, output_type="np").images)
     if ema_model is not None:
         ema_model.restore(lora_params)
+    unet.train()
+    text_encoder.train(args.train_text_encoder)  # a frozen one stays in eval mode, as loaded
     shape = (len(args.validation_prompts), args.num_validation_images, *columns[0].shape[1:])
     images = np.concatenate([c.reshape(shape) for c in columns], axis=1).reshape(-1, *shape[2:])  # prompt by prompt
     os.makedirs(os.path.join(args.output_dir, "samples"), exist_ok=True)

@@ -775,6 +775,7 @@ def log_validation(accelerator, args, vae, text_encoder, tokenizer, model, ema_m
     if not (accelerator.is_main_process or sharded):
         return
     unet = accelerator.unwrap_model(model, keep_torch_compile=False)
+    unet.eval()  # no dropout while sampling (a config may set some); train() again below
     if ema_model is not None:  # sample with the EMA weights, then put the training weights back
         ema_model.store(unet.parameters())
         ema_model.copy_to(unet.parameters())
@@ -792,6 +793,7 @@ def log_validation(accelerator, args, vae, text_encoder, tokenizer, model, ema_m
                           height=args.resolution, width=args.resolution, output_type="np").images
     if ema_model is not None:
         ema_model.restore(unet.parameters())
+    unet.train()
     if not accelerator.is_main_process:
         return
     os.makedirs(os.path.join(args.output_dir, "samples"), exist_ok=True)

@@ -598,6 +598,7 @@ def log_validation(accelerator, args, model, ema_model, noise_scheduler, global_
     if not (accelerator.is_main_process or sharded):
         return
     unet = accelerator.unwrap_model(model, keep_torch_compile=False)
+    unet.eval()  # no dropout while sampling (a config may set some); train() again below
     if ema_model is not None:  # sample with the EMA weights, then put the training weights back
         ema_model.store(unet.parameters())
         ema_model.copy_to(unet.parameters())
@@ -611,6 +612,7 @@ def log_validation(accelerator, args, model, ema_model, noise_scheduler, global_
         images = pipeline(generator=generator, batch_size=args.eval_batch_size, num_inference_steps=steps, output_type="pt").images.float().cpu()
     if ema_model is not None:
         ema_model.restore(unet.parameters())
+    unet.train()
     if not accelerator.is_main_process:
         return
     os.makedirs(os.path.join(args.output_dir, "samples"), exist_ok=True)

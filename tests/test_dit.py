@@ -117,6 +117,32 @@ def test_the_saved_transformer_and_scheduler_sample_what_validation_showed(refer
     assert np.array_equal(np.asarray(Image.open(reference / "reloaded.png")), np.asarray(Image.open(reference / "samples" / "step-8.png")))
 
 
+def test_validation_samples_without_dropout_and_training_goes_on_with_it(dit, tmp_path):
+    """A config may set dropout (DDPM's CIFAR-10 model had 0.1): validation draws what the model draws in eval mode,
+    then the model is back in train mode. (The same lines in the other scripts' log_validation.)"""
+    import torchvision
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+    from diffusers import DDIMScheduler, DDPMScheduler, DiTTransformer2DModel
+
+    DiTTransformer2DModel(num_attention_heads=2, attention_head_dim=16, in_channels=3, out_channels=3, num_layers=2, sample_size=16,
+                          patch_size=2, num_embeds_ada_norm=10, dropout=0.5).save_config(tmp_path / "config")
+    model = dit.build_transformer(Namespace(model_config_name_or_path=tmp_path / "config", model_type=None, resolution=16), 6, None)
+    with torch.no_grad():  # past adaLN-Zero's start, where every block is the identity and dropout changes nothing
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    args = Namespace(validation_class_labels=[0, 1], eval_batch_size=1, cache_latents=False, validation_sampler="ddim",
+                     guidance_scale=4.0, num_inference_steps=2, output_dir=tmp_path, resolution=16)
+    try:
+        dit.log_validation(Accelerator(), args, model.train(), None, DDPMScheduler(), 5, False, None)
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+    assert model.training
+    images = dit.sample_images(model.eval(), DDIMScheduler(), torch.tensor([0, 1]), 4.0, 2, generator=torch.Generator("cpu").manual_seed(0))
+    torchvision.utils.save_image(torch.nn.functional.interpolate(images, scale_factor=4, mode="nearest"), tmp_path / "eval.png", nrow=1)
+    assert np.array_equal(np.asarray(Image.open(tmp_path / "eval.png")), np.asarray(Image.open(tmp_path / "samples" / "step-5.png")))
+
+
 def test_a_fresh_model_is_adaln_zero_and_drops_no_labels_itself(dit, tiny_dit_config_path):
     args = Namespace(model_config_name_or_path=tiny_dit_config_path, model_type=None, resolution=16)
     model = dit.build_transformer(args, 6, None).train()

@@ -118,6 +118,41 @@ def test_diffusers_file_kohya_file_and_fused_weights_give_the_same_images(refere
     np.testing.assert_allclose(generate(pipe), with_lora, atol=2e-3)
 
 
+def test_output_dir_dot_names_the_kohya_file_after_the_folder(tiny_sd_path, tmp_path, monkeypatch):
+    """`--output_dir .` (a common way to run in the folder itself): the ComfyUI/A1111 file is `<folder>.safetensors`."""
+    from diffusers import UNet2DConditionModel
+    from peft import LoraConfig
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent.parent))
+    from train_lora import parse_args, save_kohya
+
+    unet = UNet2DConditionModel.from_pretrained(tiny_sd_path, subfolder="unet")
+    unet.add_adapter(LoraConfig(r=4, lora_alpha=2, target_modules=["to_q"]))
+    (tmp_path / "my-style").mkdir()
+    monkeypatch.chdir(tmp_path / "my-style")
+    save_kohya(parse_args(["--pretrained_model_name_or_path", "x", "--train_data_dir", "x", "--output_dir", ".", "--lora_alpha", "2"]),
+               unet, None)
+    assert [p.name for p in Path().iterdir()] == ["my-style.safetensors"]
+    kohya = load_file("my-style.safetensors")
+    assert kohya and all(KOHYA_KEY.match(k) for k in kohya) and {float(v) for k, v in kohya.items() if k.endswith(".alpha")} == {2.0}
+
+
+def test_lora_dropout_trains_but_never_samples(base, tiny_sd_path, tmp_path):
+    """Dropout is for training. The live validation samples in eval mode, so the last step's grid equals the one
+    rendered from the saved file; the file loads into diffusers with no dropout (it would load the UNet's active)."""
+    out = tmp_path / "dropout"
+    run_script(SCRIPT, base + ["--output_dir", out, "--lora_dropout", "0.5", "--train_text_encoder", "--learning_rate", "1e-2",
+                               "--train_batch_size", "2", "--max_train_steps", "2", "--validation_steps", "2",
+                               "--validation_prompts", PROMPTS[0], "--num_validation_images", "1"])
+    live, from_file = (np.asarray(Image.open(out / "samples" / name), dtype=float) for name in ["step-2.png", "final.png"])
+    assert np.abs(live - from_file).max() <= 1  # 8-bit PNGs
+    pipe = pipeline(tiny_sd_path)
+    pipe.load_lora_weights(out)
+    modules = [*pipe.unet.modules(), *pipe.text_encoder.modules()]
+    assert sum("lora_A" in name for m in modules for name, _ in m.named_children()) > 0  # the adapters are there
+    assert not any(isinstance(m, torch.nn.Dropout) and m.p > 0 and m.training for m in modules)
+
+
 def test_model_card_and_tracker(reference, tiny_sd_path):
     out, _ = reference
     card = (out / "README.md").read_text()
@@ -131,8 +166,9 @@ def test_an_untrained_adapter_changes_nothing(base, tiny_sd_path, tmp_path):
     out = tmp_path / "untrained"
     run_script(SCRIPT, base + ["--output_dir", out, "--max_train_steps", "1", "--learning_rate", "0", "--train_text_encoder"])
     weights = lora_weights(out)
-    assert all(not v.any() for k, v in weights.items() if "lora.up" in k)  # B = 0
-    assert any(v.any() for k, v in weights.items() if "lora.down" in k)  # A random
+    ups = [k for k in weights if k.endswith("up.weight")]  # B: unet.….lora.up, text_encoder.….lora_linear_layer.up
+    assert any(k.startswith("text_encoder.") for k in ups) and all(not weights[k].any() for k in ups)  # B = 0
+    assert all(v.any() for k, v in weights.items() if k.endswith("down.weight"))  # A random
     pipe = pipeline(tiny_sd_path)
     untouched = generate(pipe)
     pipe.load_lora_weights(out)
@@ -156,6 +192,19 @@ def test_resume_is_exact(reference, common, tmp_path):
     assert [g["lr"] for g in opt["param_groups"]] == [g["lr"] for g in opt_ref["param_groups"]] == [1e-3, 5e-4]  # UNet, text encoder
 
 
+def test_gradient_checkpointing_trains_the_same_lora_and_counts_the_recomputed_forward(reference, common, tmp_path):
+    """The UNet's and the text encoder's blocks recomputed in the backward: the LoRA of both moves as without, and the
+    logged FLOPs of a micro-batch grow by less than one forward (LoRA's backward skips the frozen weights' gradients)."""
+    out = tmp_path / "checkpointed"
+    log = run_script(SCRIPT, common + ["--train_batch_size", "2", "--output_dir", out, "--max_train_steps", "4", "--gradient_checkpointing"])
+    weights = lora_weights(out / "checkpoint-4")
+    assert any(v.any() for k, v in weights.items() if k.startswith("text_encoder.") and k.endswith("up.weight"))  # its B moved
+    assert_same_weights(weights, lora_weights(reference[0] / "checkpoint-4"), **EQUIVALENT)
+    line = r"One micro-batch of 2 images: text encoder and UNet forward and backward (\S+) FLOPs"
+    plain, recomputed = (float(re.search(line, text).group(1)) for text in (reference[1], log))
+    assert plain < recomputed < 1.5 * plain
+
+
 def test_two_processes_match_one_with_the_same_global_batch(reference, common, tmp_path):
     out = tmp_path / "ddp"
     run_script(SCRIPT, common + ["--train_batch_size", "1", "--output_dir", out], num_processes=2)
@@ -169,7 +218,7 @@ def test_clipping_clips(reference, common, tmp_path):
     out = tmp_path / "clipped"
     run_script(SCRIPT, common + ["--train_batch_size", "2", "--output_dir", out, "--max_train_steps", "4", "--max_grad_norm", "1e-7"])
     clipped, moved = lora_weights(out / "checkpoint-4"), lora_weights(reference[0] / "checkpoint-4")
-    ups = [k for k in moved if "lora.up" in k]  # B starts at 0: its value is all it has moved
+    ups = [k for k in moved if k.endswith("up.weight")]  # B starts at 0: its value is all it has moved
     assert sum(clipped[k].abs().sum() for k in ups) < 0.01 * sum(moved[k].abs().sum() for k in ups)
 
 
@@ -268,8 +317,8 @@ def t2i_checkpoint(tmp_path_factory, tiny_sd_path, kohya_folder):
     return out
 
 
-@pytest.mark.parametrize("case", ["rank", "target", "no_captions", "missing_caption", "t2i_checkpoint", "not_a_pipeline",
-                                  "resume_other_rank", "resume_other_targets"])
+@pytest.mark.parametrize("case", ["rank", "target", "no_captions", "missing_caption", "hub_style_without_captions", "t2i_checkpoint",
+                                  "not_a_pipeline", "resume_other_rank", "resume_other_targets"])
 def test_bad_input_is_one_clear_error(case, base, tmp_path, plain_image_folder, kohya_folder, request, run_in_process):
     folder = tmp_path / "missing_caption"
     if case == "missing_caption":  # one caption file missing in an otherwise kohya-style folder
@@ -289,6 +338,8 @@ def test_bad_input_is_one_clear_error(case, base, tmp_path, plain_image_folder, 
         "missing_caption": (["--train_data_dir", folder], f"image {folder / '0005.png'} has no caption"),
         "t2i_checkpoint": (["--resume_from_checkpoint", "checkpoint-1"], "is not a checkpoint-N folder written by train_lora.py"),
         "not_a_pipeline": (["--pretrained_model_name_or_path", kohya_folder], "is not a Stable Diffusion pipeline: no model_index.json"),
+        "hub_style_without_captions": (["--dataset_name", "imagefolder", "--train_data_dir", plain_image_folder],
+                                       "--caption_column 'text' is not in the dataset; its columns are ['image'] (or give --instance_prompt)"),
         "resume_other_rank": ([*resume, "--rank", "8"], misfit),
         "resume_other_targets": ([*resume, "--lora_target_modules", "to_q,to_k,to_v,to_out.0,proj_in"], misfit),
     }[case]

@@ -164,6 +164,22 @@ def test_a_fresh_model_is_adaln_zero_and_drops_no_labels_itself(dit, tiny_dit_co
     assert (latent.config.num_embeds_ada_norm, latent.config.in_channels, latent.config.out_channels, latent.config.sample_size) == (1000, 4, 4, 8)
 
 
+def test_dit_xl_2_counts_the_papers_flops(dit):
+    """DiT-XL/2 at 256 px (32 x 32 latents), built on the meta device (no memory): the counted forward is twice the
+    paper's 118.6 Gflops, which are multiply-adds; forward and backward, as the script logs them, are three forwards."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    vae = Namespace(config=Namespace(latent_channels=4, block_out_channels=[64] * 4))
+    with torch.device("meta"):
+        model = dit.build_transformer(Namespace(model_config_name_or_path=None, model_type="DiT-XL/2", resolution=256), 1000, vae)
+        inputs = torch.randn(1, 4, 32, 32), torch.tensor([500]), torch.tensor([3])
+    with FlopCounterMode(display=False) as counter:
+        model(*inputs)
+    forward = counter.get_total_flops()
+    assert abs(forward / 2 / 118.6e9 - 1) < 0.005
+    assert abs(dit.training_flops(model, Namespace(gradient_checkpointing=False), *inputs) / forward - 3) < 0.005
+
+
 def test_labels_are_dropped_once_per_image_at_the_requested_rate(dit, tmp_path):
     from torchvision import transforms
 

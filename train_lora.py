@@ -790,8 +790,12 @@ def save_model_hook(accelerator, args, ema_model, models, weights, output_dir):
 
 
 def load_model_hook(accelerator, args, ema_model, models, input_dir):
+    if ema_model is not None and not os.path.isfile(os.path.join(input_dir, "lora_ema.pt")):
+        raise SystemExit(f"error: {input_dir} holds no EMA weights (its run had no --use_ema): resume without --use_ema")
     if models:  # plain or DDP; DeepSpeed has loaded the model already
         state_dict = StableDiffusionPipeline.lora_state_dict(input_dir)[0]
+        if any(k.startswith("text_encoder.") for k in state_dict) != args.train_text_encoder:  # else the optimizer's groups differ
+            raise SystemExit(f"error: the LoRA in {input_dir} does not fit this run's adapters: resume with its --train_text_encoder")
         for model, prefix in zip(models, ["unet.", "text_encoder."]):  # in the order they were prepared
             layers = convert_all_state_dict_to_peft({k[len(prefix):]: v for k, v in state_dict.items() if k.startswith(prefix)})
             try:  # another --rank gives other shapes; other --lora_target_modules, other names

@@ -379,6 +379,14 @@ def assert_same_optimizer_state(checkpoint, reference_checkpoint):
     return opt, opt_ref
 
 
+def copy_without_ema(checkpoint, ema, copy):
+    """A copy of `checkpoint` as a run without --use_ema writes it: no `ema` file or folder, none in its manifest."""
+    shutil.copytree(checkpoint, copy, ignore=lambda folder, names: [ema] if Path(folder) == Path(checkpoint) else [])
+    state = json.loads((Path(copy) / "training_state.json").read_text())
+    state["files"] = {f: size for f, size in state["files"].items() if not f.startswith(ema)}
+    (Path(copy) / "training_state.json").write_text(json.dumps(state))
+
+
 def checkpoints(out):
     return sorted((p.name for p in out.glob("checkpoint-*")), key=lambda n: int(n.split("-")[1]))
 

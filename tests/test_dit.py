@@ -7,8 +7,8 @@ from argparse import Namespace
 import numpy as np
 import pytest
 import torch
-from conftest import (EQUIVALENT, REPO, STABLE_ADAM, assert_same_optimizer_state, assert_same_weights, checkpoints, load_digits_images, run_script,
-                      snapshot, unet_weights)
+from conftest import (EQUIVALENT, REPO, STABLE_ADAM, assert_same_optimizer_state, assert_same_weights, checkpoints,
+                      copy_without_ema, load_digits_images, run_script, snapshot, unet_weights)
 from PIL import Image
 
 SCRIPT = "train_dit.py"
@@ -290,6 +290,7 @@ def victim(reference, tmp_path_factory):
     shutil.copytree(reference / "checkpoint-4", out / "checkpoint-7")
     state = json.loads((out / "checkpoint-7" / "training_state.json").read_text())
     (out / "checkpoint-7" / "training_state.json").write_text(json.dumps({**state, "trainer": "train_unconditional"}))
+    copy_without_ema(reference / "checkpoint-4", "transformer_ema", out / "checkpoint-9")
     return out
 
 
@@ -298,6 +299,7 @@ def victim(reference, tmp_path_factory):
     (["--validation_class_labels", "0", "6"], "error: --validation_class_labels [0, 6] must be among the classes 0..5"),
     (["--resolution", "15"], "error: --resolution 15 must be a multiple of 2 (patch size)"),
     (["--resume_from_checkpoint", "checkpoint-7"], "checkpoint-7 is not a checkpoint-N folder written by train_dit.py"),
+    (["--resume_from_checkpoint", "checkpoint-9", "--train_batch_size", "2", "--use_ema"], "checkpoint-9 holds no EMA weights (its run had no --use_ema): resume without --use_ema"),
 ])
 def test_bad_input_is_one_clear_error(extra, expected, victim, label_folder, tiny_dit_config_path, run_in_process):
     before = snapshot(victim)

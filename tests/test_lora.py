@@ -7,8 +7,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import (EQUIVALENT, STABLE_ADAM, assert_same_optimizer_state, assert_same_weights, caption, checkpoints, load_digits_images, run_script,
-                      snapshot, write_imagefolder, zero)
+from conftest import (EQUIVALENT, STABLE_ADAM, assert_same_optimizer_state, assert_same_weights, caption, checkpoints,
+                      copy_without_ema, load_digits_images, run_script, snapshot, write_imagefolder, zero)
 from PIL import Image
 from safetensors.torch import load_file
 
@@ -318,16 +318,19 @@ def t2i_checkpoint(tmp_path_factory, tiny_sd_path, kohya_folder):
 
 
 @pytest.mark.parametrize("case", ["rank", "target", "no_captions", "missing_caption", "hub_style_without_captions", "t2i_checkpoint",
-                                  "not_a_pipeline", "resume_other_rank", "resume_other_targets"])
+                                  "not_a_pipeline", "resume_other_rank", "resume_other_targets", "resume_other_text_encoder",
+                                  "resume_adding_ema"])
 def test_bad_input_is_one_clear_error(case, base, tmp_path, plain_image_folder, kohya_folder, request, run_in_process):
     folder = tmp_path / "missing_caption"
     if case == "missing_caption":  # one caption file missing in an otherwise kohya-style folder
         shutil.copytree(kohya_folder, folder)
         (folder / "0005.txt").unlink()
     victim = request.getfixturevalue("t2i_checkpoint") if case == "t2i_checkpoint" else tmp_path / "victim"
-    if case.startswith("resume_other"):  # the reference run's checkpoint: rank 4 on the default targets
+    if case.startswith("resume_other"):  # the reference run's checkpoint: rank 4 on the default targets, text encoder, EMA
         shutil.copytree(request.getfixturevalue("reference")[0] / "checkpoint-6", victim / "checkpoint-6")
-    resume = ["--resume_from_checkpoint", "latest", "--train_batch_size", "2"]
+    if case == "resume_adding_ema":
+        copy_without_ema(request.getfixturevalue("reference")[0] / "checkpoint-6", "lora_ema.pt", victim / "checkpoint-9")
+    resume = ["--resume_from_checkpoint", "latest", "--train_batch_size", "2", "--train_text_encoder"]  # as the reference run
     misfit = "does not fit this run's adapters: resume with its --rank and --lora_target_modules"
     extra, expected = {
         "rank": (["--rank", "0"], "--rank must be a positive integer, not 0"),
@@ -342,6 +345,8 @@ def test_bad_input_is_one_clear_error(case, base, tmp_path, plain_image_folder, 
                                        "--caption_column 'text' is not in the dataset; its columns are ['image'] (or give --instance_prompt)"),
         "resume_other_rank": ([*resume, "--rank", "8"], misfit),
         "resume_other_targets": ([*resume, "--lora_target_modules", "to_q,to_k,to_v,to_out.0,proj_in"], misfit),
+        "resume_other_text_encoder": (resume[:-1], "does not fit this run's adapters: resume with its --train_text_encoder"),
+        "resume_adding_ema": ([*resume, "--use_ema"], "checkpoint-9 holds no EMA weights (its run had no --use_ema): resume without --use_ema"),
     }[case]
     before = snapshot(Path(victim)) if Path(victim).exists() else None
     log = run_in_process(SCRIPT, base + ["--output_dir", victim, *extra])

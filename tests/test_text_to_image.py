@@ -8,8 +8,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import (CORRUPT_FILE, EQUIVALENT, REPO, STABLE_ADAM, assert_resumes_exactly, assert_same_optimizer_state, assert_same_weights, checkpoints, run_script,
-                      snapshot, unet_weights, write_imagefolder, zero)
+from conftest import (CORRUPT_FILE, EQUIVALENT, REPO, STABLE_ADAM, assert_resumes_exactly, assert_same_optimizer_state,
+                      assert_same_weights, checkpoints, copy_without_ema, run_script, snapshot, unet_weights, write_imagefolder,
+                      zero)
 from PIL import Image
 from safetensors.torch import load_file
 
@@ -208,6 +209,7 @@ def victim(tmp_path_factory, reference):
     (out / "checkpoint-2" / "unet").mkdir(parents=True)  # written by another tool
     (out / "checkpoint-2" / "optimizer.bin").write_bytes(b"earlier work")
     (out / "not-a-checkpoint").mkdir()
+    copy_without_ema(reference / "checkpoint-3", "unet_ema", out / "checkpoint-9")
     return out
 
 
@@ -229,7 +231,8 @@ def number_caption_folder(tmp_path_factory):
 
 
 @pytest.mark.parametrize("case", ["not_a_pipeline", "no_such_model", "no_image_column", "no_caption_column", "caption_type", "corrupt",
-                                  "resolution", "resume", "resume_missing", "resume_foreign", "sample_prediction", "fp16_on_cpu"])
+                                  "resolution", "resume", "resume_missing", "resume_foreign", "sample_prediction", "fp16_on_cpu",
+                                  "resume_adding_ema"])
 def test_bad_input_is_one_clear_error(case, victim, base, tmp_path, caption_folder, nocaption_folder, run_in_process,
                                       corrupt_image_folder, number_caption_folder, sample_predicting_sd):
     extra, expected = {
@@ -246,6 +249,7 @@ def test_bad_input_is_one_clear_error(case, victim, base, tmp_path, caption_fold
         "sample_prediction": (["--pretrained_model_name_or_path", sample_predicting_sd],
                               "the base scheduler predicts 'sample': give --prediction_type epsilon or v_prediction"),
         "fp16_on_cpu": (["--mixed_precision", "fp16"], "--mixed_precision fp16 needs a GPU; on a CPU use bf16 or no"),
+        "resume_adding_ema": (["--resume_from_checkpoint", "checkpoint-9", "--train_batch_size", "2", "--use_ema"], "checkpoint-9 holds no EMA weights (its run had no --use_ema): resume without --use_ema"),
     }[case]
     before = snapshot(victim)
     log = run_in_process(SCRIPT, base + ["--output_dir", victim, *extra])

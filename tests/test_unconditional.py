@@ -7,8 +7,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import (CORRUPT_FILE, EQUIVALENT, REPO, STABLE_ADAM, assert_resumes_exactly, assert_same_optimizer_state, assert_same_weights, checkpoints, run_script,
-                      seed_logged, snapshot, truncate, unet_weights, write_imagefolder, zero)
+from conftest import (CORRUPT_FILE, EQUIVALENT, REPO, STABLE_ADAM, assert_resumes_exactly, assert_same_optimizer_state,
+                      assert_same_weights, checkpoints, copy_without_ema, run_script, seed_logged, snapshot, truncate,
+                      unet_weights, write_imagefolder, zero)
 from PIL import Image
 
 SCRIPT = "train_unconditional.py"
@@ -109,6 +110,7 @@ def victim(reference, tmp_path_factory):
     truncate(out / "checkpoint-6" / "unet" / "diffusion_pytorch_model.safetensors")
     (out / "checkpoint-7").mkdir()  # written by some other tool
     (out / "not-a-checkpoint").mkdir()
+    copy_without_ema(reference / "checkpoint-4", "unet_ema", out / "checkpoint-9")
     return out
 
 
@@ -125,7 +127,7 @@ def truncated_jpeg_folder(tmp_path_factory):
 
 
 @pytest.mark.parametrize("case", ["empty", "no_such_dir", "column", "corrupt", "truncated_jpeg", "resume", "resume_missing",
-                                  "resume_damaged", "resume_foreign", "resume_seed", "resume_launch", "resolution"])
+                                  "resume_damaged", "resume_foreign", "resume_seed", "resume_launch", "resolution", "resume_adding_ema"])
 def test_bad_input_is_one_clear_error(case, victim, tiny_unet_config_path, label_folder, empty_folder, run_in_process,
                                       corrupt_image_folder, truncated_jpeg_folder):
     data = {"empty": empty_folder, "no_such_dir": str(victim / "nowhere"), "corrupt": corrupt_image_folder,
@@ -144,6 +146,7 @@ def test_bad_input_is_one_clear_error(case, victim, tiny_unet_config_path, label
         "resume_seed": (["--resume_from_checkpoint", "checkpoint-4", "--seed", "1"], "--seed 1 differs from the seed 0 of"),
         "resume_launch": (["--resume_from_checkpoint", "checkpoint-4", "--train_batch_size", "3"], "resume with the same images per step"),
         "resolution": (["--resolution", "33"], "--resolution 33 must be a multiple of 2"),
+        "resume_adding_ema": (["--resume_from_checkpoint", "checkpoint-9", "--train_batch_size", "2", "--use_ema"], "checkpoint-9 holds no EMA weights (its run had no --use_ema): resume without --use_ema"),
     }[case]
     before = snapshot(victim)
     log = run_in_process(SCRIPT, ["--train_data_dir", data.get(case, label_folder), "--model_config_name_or_path",

@@ -16,7 +16,6 @@ Sections, the same in every script of this repo: 1 arguments, 2 accelerator/logg
 import argparse
 import hashlib
 import importlib.util
-import io
 import json
 import logging
 import math
@@ -641,11 +640,11 @@ def check_captions(dataset, args):
 
 
 def open_image(item):
-    """Decode one image of a column cast to `Image(decode=False)`; None if the file is broken."""
+    """Decode one image of a column cast to `Image(decode=False)` as `datasets` would (turned upright by its EXIF
+    orientation, as phone photos need); None if the file is broken. It decodes it all: a truncated JPEG passes
+    Image.verify() but fails here."""
     try:
-        image = Image.open(io.BytesIO(item["bytes"]) if item["bytes"] else item["path"])
-        image.load()  # decodes it all: a truncated JPEG passes Image.verify() but fails here
-        return image
+        return datasets.Image().decode_example(item)
     except Exception:
         return None
 

@@ -1,4 +1,5 @@
-"""The checkpoint hooks of the diffusion scripts, called with the lists accelerate passes them.
+"""Helpers of the diffusion scripts tested apart: the image decoder they share, and the checkpoint hooks called
+with the lists accelerate passes them.
 
 FSDP cannot run on a CPU through accelerate, so these hooks are tested as accelerate calls them: under
 DeepSpeed and FSDP it hands the save hook an empty `weights` list and the load hook an empty `models`
@@ -47,3 +48,23 @@ def test_hooks_with_the_lists_each_backend_passes(script, tiny_unet_config_path,
     models = [model]
     hooks.load_model_hook(accelerator, args, ema, models, tmp_path)  # and is loaded back from there
     assert models == [] and all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+@pytest.mark.parametrize("script", ["train_unconditional", "train_dit", "train_text_to_image", "train_lora"])
+def test_a_phone_photo_is_read_upright_and_a_broken_file_is_none(script, tmp_path, monkeypatch):
+    """Cameras store a portrait photo sideways with an EXIF orientation; `datasets` turns it upright, so must we."""
+    monkeypatch.syspath_prepend(str(REPO))
+    from PIL import Image
+
+    open_image = __import__(script).open_image
+    upright = Image.new("RGB", (32, 64))
+    upright.paste((255, 0, 0), (0, 0, 32, 16))  # red at the top
+    exif = Image.Exif()
+    exif[0x0112] = 6  # Orientation: rotate 90° clockwise to display
+    upright.transpose(Image.Transpose.ROTATE_90).save(tmp_path / "photo.jpg", exif=exif, quality=95)
+    data = (tmp_path / "photo.jpg").read_bytes()
+    for item in [{"path": str(tmp_path / "photo.jpg"), "bytes": None}, {"path": None, "bytes": data}]:  # a folder, a hub dataset
+        image = open_image(item).convert("RGB")
+        assert image.size == (32, 64) and image.getpixel((16, 4))[0] > 200 and image.getpixel((16, 60))[0] < 50
+    assert open_image({"path": None, "bytes": data[: len(data) // 2]}) is None  # cut short: fails only when decoded
+    assert open_image({"path": str(tmp_path / "photo.jpg") + ".missing", "bytes": None}) is None

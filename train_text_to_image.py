@@ -624,7 +624,7 @@ def add_captions(dataset, args):
 
 def read_caption_files(items, column, extension):
     paths = [os.path.splitext(item["path"] or "")[0] + extension for item in items]
-    return {column: [Path(path).read_text(encoding="utf-8").strip() if os.path.isfile(path) else None for path in paths]}
+    return {column: [Path(path).read_text(encoding="utf-8-sig").strip() if os.path.isfile(path) else None for path in paths]}
 
 
 def check_captions(dataset, args):

@@ -348,8 +348,8 @@ def test_captions_come_from_the_instance_prompt_else_metadata_else_caption_files
     both, files_only = tmp_path / "both", tmp_path / "files_only"
     for folder in (both, files_only):
         shutil.copytree(caption_folder, folder)
-        for png in folder.glob("*.png"):
-            png.with_suffix(".caption").write_text(f"file caption {png.stem}\n")
+        for i, png in enumerate(sorted(folder.glob("*.png"))):  # every other one with a byte-order mark, as Windows editors may save
+            png.with_suffix(".caption").write_text(f"file caption {png.stem}\n", encoding="utf-8-sig" if i % 2 else "utf-8")
     (files_only / "metadata.jsonl").unlink()
 
     def captions(folder, *flags):

@@ -562,7 +562,7 @@ def cache_encodings(accelerator, args, dataset, vae, text_encoder, tokenizer, we
     fingerprint = broadcast_object_list([hashlib.sha256(json.dumps(key).encode()).hexdigest()[:16]])[0]  # the main process's
     encode = dict(function=partial(encode_batch, args=args, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer,
                                    encode_transforms=encode_transforms), batched=True, batch_size=args.train_batch_size,
-                  remove_columns=args.image_column if args.cache_latents else None, desc="Encoding the training images once")
+                  remove_columns=dataset.column_names, desc="Encoding the training images once")  # the files hold the encodings alone
     folder = os.path.join(args.cache_dir or datasets.config.HF_DATASETS_CACHE, "encodings")
     os.makedirs(folder, exist_ok=True)
 
@@ -572,7 +572,9 @@ def cache_encodings(accelerator, args, dataset, vae, text_encoder, tokenizer, we
                                                         cache_file_name=os.path.join(folder, f"{name}.arrow"))
     shard(accelerator.process_index)
     accelerator.wait_for_everyone()
-    dataset = datasets.concatenate_datasets([shard(i) for i in range(n)])
+    # beside the data's own columns, without a copy of them; the images are no longer read with the latents cached
+    encodings = datasets.concatenate_datasets([shard(i) for i in range(n)])
+    dataset = datasets.concatenate_datasets([dataset.remove_columns(args.image_column) if args.cache_latents else dataset, encodings], axis=1)
     vae.to("cpu" if args.cache_latents else vae.device)
     text_encoder.to("cpu" if args.cache_text_embeddings else text_encoder.device)
     free_memory()

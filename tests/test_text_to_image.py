@@ -178,6 +178,10 @@ def test_cached_encodings_train_the_weights_of_an_uncached_run(flip, base, list_
     plain, cached = unet_weights(tmp_path / "plain" / "unet"), unet_weights(tmp_path / "cached" / "unet")
     assert_same_weights(cached, plain, **EQUIVALENT)
     assert [p.name[-13:] for p in encodings.glob("*.arrow")] == ["-0-of-1.arrow"]
+    from datasets import Dataset
+
+    stored = Dataset.from_file(str(next(encodings.glob("*.arrow"))))
+    assert sorted(stored.column_names) == ["latent_moments", "text_embeddings"]  # no copy of the data's own columns
     if flip:  # two processes: each encodes its half, then both read both halves
         run_script(SCRIPT, args + cache + ["--output_dir", tmp_path / "ddp", "--train_batch_size", "1"], num_processes=2)
         assert_same_weights(unet_weights(tmp_path / "ddp" / "unet"), plain, **EQUIVALENT)

@@ -158,6 +158,10 @@ def parse_args(argv=None):
         p.error("--cache_text_embeddings cannot be used with --train_text_encoder: its embeddings change as it learns")
     if args.rank < 1:
         p.error(f"--rank must be a positive integer, not {args.rank}")
+    if args.lora_alpha is not None and args.lora_alpha <= 0:  # alpha / rank scales the update: at 0 nothing would learn
+        p.error(f"--lora_alpha must be positive, not {args.lora_alpha:g}")
+    if not 0 <= args.lora_dropout < 1:
+        p.error(f"--lora_dropout must be in [0, 1), not {args.lora_dropout:g}")
     args.lora_alpha = args.rank if args.lora_alpha is None else args.lora_alpha
     args.text_encoder_lr = args.learning_rate if args.text_encoder_lr is None else args.text_encoder_lr
     args.validation_prompts = args.validation_prompts or ([args.validation_prompt] if args.validation_prompt else None)
@@ -219,7 +223,7 @@ def main(args):
     # A and B start as Gaussian and zero (diffusers' recipe): W' = W at step 0. α/r scales the update, so with
     # alpha = rank a learning rate means the same at any rank.
     lora = dict(r=args.rank, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout, init_lora_weights="gaussian")
-    targets = args.lora_target_modules.split(",")
+    targets = [name.strip() for name in args.lora_target_modules.split(",")]  # "to_q, to_k" works too
     check_lora_targets(model, targets)
     model.add_adapter(LoraConfig(**lora, target_modules=targets))
     if args.train_text_encoder:

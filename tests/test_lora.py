@@ -336,7 +336,7 @@ def test_bad_input_is_one_clear_error(case, base, tmp_path, plain_image_folder, 
     misfit = "does not fit this run's adapters: resume with its --rank and --lora_target_modules"
     extra, expected = {
         "rank": (["--rank", "0"], "--rank must be a positive integer, not 0"),
-        "target": (["--lora_target_modules", "to_q,to_kk"],
+        "target": (["--lora_target_modules", "to_q, to_kk"],
                    "--lora_target_modules 'to_kk' matches no layer of the UNet; some that exist: "),
         "no_captions": (["--train_data_dir", plain_image_folder],
                         "has no caption: add a metadata.jsonl with a 'text' column, a caption file beside each image"),
@@ -357,7 +357,7 @@ def test_bad_input_is_one_clear_error(case, base, tmp_path, plain_image_folder, 
     assert (snapshot(Path(victim)) if Path(victim).exists() else None) == before
 
 
-def test_one_validation_prompt_or_several(monkeypatch, capsys):
+def test_flag_defaults_and_parser_errors(monkeypatch, capsys):
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent.parent))
     from train_lora import parse_args
 
@@ -366,6 +366,9 @@ def test_one_validation_prompt_or_several(monkeypatch, capsys):
     assert parse_args(required + ["--validation_prompts", "a", "b"]).validation_prompts == ["a", "b"]
     args = parse_args(required + ["--rank", "8"])
     assert (args.lora_alpha, args.text_encoder_lr) == (8, args.learning_rate)  # the defaults follow --rank and the LR
-    with pytest.raises(SystemExit):  # a text encoder that learns has no fixed embeddings to cache
-        parse_args(required + ["--cache_text_embeddings", "--train_text_encoder"])
-    assert "--cache_text_embeddings cannot be used with --train_text_encoder" in capsys.readouterr().err
+    for flags, error in [(["--cache_text_embeddings", "--train_text_encoder"], "--cache_text_embeddings cannot be used with --train_text_encoder"),
+                         (["--lora_alpha", "0"], "--lora_alpha must be positive, not 0"),
+                         (["--lora_dropout", "1"], "--lora_dropout must be in [0, 1), not 1")]:
+        with pytest.raises(SystemExit):
+            parse_args(required + flags)
+        assert error in capsys.readouterr().err

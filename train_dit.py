@@ -463,11 +463,12 @@ def cache_encodings(accelerator, args, dataset, vae, weight_dtype, encode_transf
     second run on the same data, VAE and flags reads them back. Each process encodes its share; then the VAE leaves the
     accelerator until validation."""
     start, n = time.perf_counter(), accelerator.num_processes
-    key = [dataset._fingerprint, args.image_column, args.pretrained_vae_model_name_or_path, args.vae_subfolder, str(weight_dtype),
+    # "format 2": change it when what the files hold, or how images are decoded, changes (old files are not read then)
+    key = ["format 2", dataset._fingerprint, args.image_column, args.pretrained_vae_model_name_or_path, args.vae_subfolder, str(weight_dtype),
            args.resolution, args.random_flip, args.preserve_input_precision]  # the data (its files, every change made to it), the VAE, the flags
     fingerprint = broadcast_object_list([hashlib.sha256(json.dumps(key).encode()).hexdigest()[:16]])[0]  # the main process's
     encode = dict(function=partial(encode_batch, args=args, vae=vae, encode_transforms=encode_transforms, in_channels=in_channels),
-                  batched=True, batch_size=args.train_batch_size, remove_columns=args.image_column, desc="Encoding the training images once")
+                  batched=True, batch_size=args.train_batch_size, remove_columns=dataset.column_names, desc="Encoding the training images once")
     folder = os.path.join(args.cache_dir or datasets.config.HF_DATASETS_CACHE, "encodings")
     os.makedirs(folder, exist_ok=True)
 
@@ -477,7 +478,14 @@ def cache_encodings(accelerator, args, dataset, vae, weight_dtype, encode_transf
                                                         cache_file_name=os.path.join(folder, f"{name}.arrow"))
     shard(accelerator.process_index)
     accelerator.wait_for_everyone()
-    dataset = datasets.concatenate_datasets([shard(i) for i in range(n)])
+    encodings = datasets.concatenate_datasets([shard(i) for i in range(n)])
+    # The files hold the encodings alone, joined to the data's own columns without a copy; the images are no longer
+    # read with the latents cached. A subset (--max_train_samples) indexes the data: written out once for the join.
+    dataset = dataset.remove_columns(args.image_column)
+    if dataset._indices is not None:
+        with accelerator.main_process_first():  # the others read what the main process wrote
+            dataset = dataset.flatten_indices()
+    dataset = datasets.concatenate_datasets([dataset, encodings], axis=1)
     vae.to("cpu")
     free_memory()
     logger.info(f"Cached the encodings of {len(dataset)} images in {time.perf_counter() - start:.1f} s, "

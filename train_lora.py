@@ -560,7 +560,8 @@ def cache_encodings(accelerator, args, dataset, vae, text_encoder, tokenizer, we
     them, so a second run on the same data, models and flags reads them back. Each process encodes its share; then the
     encoders leave the accelerator until validation."""
     start, n = time.perf_counter(), accelerator.num_processes
-    key = [dataset._fingerprint, args.image_column, args.caption_column, args.instance_prompt, args.pretrained_model_name_or_path,
+    # "format 2": change it when what the files hold, or how images are decoded, changes (old files are not read then)
+    key = ["format 2", dataset._fingerprint, args.image_column, args.caption_column, args.instance_prompt, args.pretrained_model_name_or_path,
            args.revision, args.variant, str(weight_dtype), args.resolution, args.image_interpolation_mode, args.random_flip,
            args.cache_latents, args.cache_text_embeddings]  # the data (its files and every change made to it), the models, the flags
     fingerprint = broadcast_object_list([hashlib.sha256(json.dumps(key).encode()).hexdigest()[:16]])[0]  # the main process's
@@ -576,9 +577,14 @@ def cache_encodings(accelerator, args, dataset, vae, text_encoder, tokenizer, we
                                                         cache_file_name=os.path.join(folder, f"{name}.arrow"))
     shard(accelerator.process_index)
     accelerator.wait_for_everyone()
-    # beside the data's own columns, without a copy of them; the images are no longer read with the latents cached
     encodings = datasets.concatenate_datasets([shard(i) for i in range(n)])
-    dataset = datasets.concatenate_datasets([dataset.remove_columns(args.image_column) if args.cache_latents else dataset, encodings], axis=1)
+    # The files hold the encodings alone, joined to the data's own columns without a copy; the images are no longer
+    # read with the latents cached. A subset (--max_train_samples) indexes the data: written out once for the join.
+    dataset = dataset.remove_columns(args.image_column) if args.cache_latents else dataset
+    if dataset._indices is not None:
+        with accelerator.main_process_first():  # the others read what the main process wrote
+            dataset = dataset.flatten_indices()
+    dataset = datasets.concatenate_datasets([dataset, encodings], axis=1)
     vae.to("cpu" if args.cache_latents else vae.device)
     text_encoder.to("cpu" if args.cache_text_embeddings else text_encoder.device)
     free_memory()

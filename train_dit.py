@@ -706,9 +706,9 @@ def save_model_hook(accelerator, args, ema_model, models, weights, output_dir):
 
 
 def load_model_hook(accelerator, args, ema_model, models, input_dir):
-    if ema_model is not None and not os.path.isdir(os.path.join(input_dir, "transformer_ema")):
-        raise SystemExit(f"error: {input_dir} holds no EMA weights (its run had no --use_ema): resume without --use_ema")
     if ema_model is not None:
+        if not os.path.isdir(os.path.join(input_dir, "transformer_ema")):
+            raise SystemExit(f"error: {input_dir} holds no EMA weights (its run had no --use_ema): resume without --use_ema")
         loaded = EMAModel.from_pretrained(os.path.join(input_dir, "transformer_ema"), DiTTransformer2DModel)
         ema_model.load_state_dict(loaded.state_dict())
         ema_model.to(accelerator.device)

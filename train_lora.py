@@ -567,7 +567,7 @@ def cache_encodings(accelerator, args, dataset, vae, text_encoder, tokenizer, we
     fingerprint = broadcast_object_list([hashlib.sha256(json.dumps(key).encode()).hexdigest()[:16]])[0]  # the main process's
     encode = dict(function=partial(encode_batch, args=args, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer,
                                    encode_transforms=encode_transforms), batched=True, batch_size=args.train_batch_size,
-                  remove_columns=dataset.column_names, desc="Encoding the training images once")  # the files hold the encodings alone
+                  remove_columns=dataset.column_names, desc="Encoding the training images once")
     folder = os.path.join(args.cache_dir or datasets.config.HF_DATASETS_CACHE, "encodings")
     os.makedirs(folder, exist_ok=True)
 

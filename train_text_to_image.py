@@ -524,7 +524,7 @@ def cache_encodings(accelerator, args, dataset, vae, text_encoder, tokenizer, we
     fingerprint = broadcast_object_list([hashlib.sha256(json.dumps(key).encode()).hexdigest()[:16]])[0]  # the main process's
     encode = dict(function=partial(encode_batch, args=args, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer,
                                    encode_transforms=encode_transforms), batched=True, batch_size=args.train_batch_size,
-                  remove_columns=dataset.column_names, desc="Encoding the training images once")  # the files hold the encodings alone
+                  remove_columns=dataset.column_names, desc="Encoding the training images once")
     folder = os.path.join(args.cache_dir or datasets.config.HF_DATASETS_CACHE, "encodings")
     os.makedirs(folder, exist_ok=True)
 
@@ -756,9 +756,9 @@ def save_model_hook(accelerator, args, ema_model, models, weights, output_dir):
 
 
 def load_model_hook(accelerator, args, ema_model, models, input_dir):
-    if ema_model is not None and not os.path.isdir(os.path.join(input_dir, "unet_ema")):
-        raise SystemExit(f"error: {input_dir} holds no EMA weights (its run had no --use_ema): resume without --use_ema")
     if ema_model is not None:
+        if not os.path.isdir(os.path.join(input_dir, "unet_ema")):
+            raise SystemExit(f"error: {input_dir} holds no EMA weights (its run had no --use_ema): resume without --use_ema")
         loaded = EMAModel.from_pretrained(os.path.join(input_dir, "unet_ema"), UNet2DConditionModel, foreach=args.foreach_ema)
         ema_model.load_state_dict(loaded.state_dict())
         ema_model.to("cpu" if args.offload_ema else accelerator.device)

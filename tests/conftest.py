@@ -379,6 +379,9 @@ def assert_same_optimizer_state(checkpoint, reference_checkpoint):
     return opt, opt_ref
 
 
+NO_EMA = "holds no EMA weights (its run had no --use_ema): resume without --use_ema"  # the error on a copy_without_ema
+
+
 def copy_without_ema(checkpoint, ema, copy):
     """A copy of `checkpoint` as a run without --use_ema writes it: no `ema` file or folder, none in its manifest."""
     shutil.copytree(checkpoint, copy, ignore=lambda folder, names: [ema] if Path(folder) == Path(checkpoint) else [])

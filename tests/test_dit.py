@@ -7,7 +7,7 @@ from argparse import Namespace
 import numpy as np
 import pytest
 import torch
-from conftest import (EQUIVALENT, REPO, STABLE_ADAM, assert_same_optimizer_state, assert_same_weights, checkpoints,
+from conftest import (EQUIVALENT, NO_EMA, REPO, STABLE_ADAM, assert_same_optimizer_state, assert_same_weights, checkpoints,
                       copy_without_ema, load_digits_images, run_script, snapshot, unet_weights)
 from PIL import Image
 
@@ -299,7 +299,7 @@ def victim(reference, tmp_path_factory):
     (["--validation_class_labels", "0", "6"], "error: --validation_class_labels [0, 6] must be among the classes 0..5"),
     (["--resolution", "15"], "error: --resolution 15 must be a multiple of 2 (patch size)"),
     (["--resume_from_checkpoint", "checkpoint-7"], "checkpoint-7 is not a checkpoint-N folder written by train_dit.py"),
-    (["--resume_from_checkpoint", "checkpoint-9", "--train_batch_size", "2", "--use_ema"], "checkpoint-9 holds no EMA weights (its run had no --use_ema): resume without --use_ema"),
+    (["--resume_from_checkpoint", "checkpoint-9", "--train_batch_size", "2", "--use_ema"], f"checkpoint-9 {NO_EMA}"),
 ])
 def test_bad_input_is_one_clear_error(extra, expected, victim, label_folder, tiny_dit_config_path, run_in_process):
     before = snapshot(victim)

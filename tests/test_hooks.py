@@ -1,5 +1,5 @@
-"""Helpers of the diffusion scripts tested apart: the image decoder they share, and the checkpoint hooks called
-with the lists accelerate passes them.
+"""Helpers of the diffusion scripts tested apart: the image decoder they share, validation in eval mode, and the
+checkpoint hooks called with the lists accelerate passes them.
 
 FSDP cannot run on a CPU through accelerate, so these hooks are tested as accelerate calls them: under
 DeepSpeed and FSDP it hands the save hook an empty `weights` list and the load hook an empty `models`
@@ -68,3 +68,36 @@ def test_a_phone_photo_is_read_upright_and_a_broken_file_is_none(script, tmp_pat
         assert image.size == (32, 64) and image.getpixel((16, 4))[0] > 200 and image.getpixel((16, 60))[0] < 50
     assert open_image({"path": None, "bytes": data[: len(data) // 2]}) is None  # cut short: fails only when decoded
     assert open_image({"path": str(tmp_path / "photo.jpg") + ".missing", "bytes": None}) is None
+
+
+@pytest.mark.parametrize("script", ["train_unconditional", "train_text_to_image"])
+def test_validation_samples_without_dropout_and_training_goes_on_with_it(script, tiny_unet_config_path, tiny_sd_path, tmp_path,
+                                                                         monkeypatch):
+    """A model config may set dropout: sampling in train mode would draw new dropout masks each time, so two
+    validations of the same weights would differ. They must be equal, and the model back in train mode."""
+    monkeypatch.syspath_prepend(str(REPO))
+    import numpy as np
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+    from diffusers import DDPMScheduler, UNet2DConditionModel, UNet2DModel
+    from PIL import Image
+    from transformers import CLIPTextModel, CLIPTokenizer
+
+    module = __import__(script)
+    args = Namespace(output_dir=tmp_path, resolution=32, seed=0, validation_prompts=["a digit"], validation_sampler="ddim",
+                     validation_inference_steps=2, eval_batch_size=1)
+    if script == "train_unconditional":
+        model, frozen = UNet2DModel.from_config({**UNet2DModel.load_config(tiny_unet_config_path), "dropout": 0.5}), []
+    else:  # the VAE, text encoder and tokenizer come first in its log_validation
+        model = UNet2DConditionModel.from_config({**UNet2DConditionModel.load_config(tiny_sd_path, subfolder="unet"), "dropout": 0.5})
+        frozen = [cls.from_pretrained(tiny_sd_path, subfolder=name)
+                  for cls, name in [(module.AutoencoderKL, "vae"), (CLIPTextModel, "text_encoder"), (CLIPTokenizer, "tokenizer")]]
+    try:
+        accelerator = Accelerator(cpu=True)
+        for step in (1, 2):
+            module.log_validation(accelerator, args, *frozen, model.train(), None, DDPMScheduler(), step, False)
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+    assert model.training
+    first, second = (np.asarray(Image.open(tmp_path / "samples" / f"step-{step}.png")) for step in (1, 2))
+    assert np.array_equal(first, second)

@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import (EQUIVALENT, STABLE_ADAM, assert_same_optimizer_state, assert_same_weights, caption, checkpoints,
+from conftest import (EQUIVALENT, NO_EMA, STABLE_ADAM, assert_same_optimizer_state, assert_same_weights, caption, checkpoints,
                       copy_without_ema, load_digits_images, run_script, snapshot, write_imagefolder, zero)
 from PIL import Image
 from safetensors.torch import load_file
@@ -348,7 +348,7 @@ def test_bad_input_is_one_clear_error(case, base, tmp_path, plain_image_folder, 
         "resume_other_rank": ([*resume, "--rank", "8"], misfit),
         "resume_other_targets": ([*resume, "--lora_target_modules", "to_q,to_k,to_v,to_out.0,proj_in"], misfit),
         "resume_other_text_encoder": (resume[:-1], "does not fit this run's adapters: resume with its --train_text_encoder"),
-        "resume_adding_ema": ([*resume, "--use_ema"], "checkpoint-9 holds no EMA weights (its run had no --use_ema): resume without --use_ema"),
+        "resume_adding_ema": ([*resume, "--use_ema"], f"checkpoint-9 {NO_EMA}"),
     }[case]
     before = snapshot(Path(victim)) if Path(victim).exists() else None
     log = run_in_process(SCRIPT, base + ["--output_dir", victim, *extra])

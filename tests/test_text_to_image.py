@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import (CORRUPT_FILE, EQUIVALENT, REPO, STABLE_ADAM, assert_resumes_exactly, assert_same_optimizer_state,
+from conftest import (CORRUPT_FILE, EQUIVALENT, NO_EMA, REPO, STABLE_ADAM, assert_resumes_exactly, assert_same_optimizer_state,
                       assert_same_weights, checkpoints, copy_without_ema, run_script, snapshot, unet_weights, write_imagefolder,
                       zero)
 from PIL import Image
@@ -255,7 +255,8 @@ def test_bad_input_is_one_clear_error(case, victim, base, tmp_path, caption_fold
         "sample_prediction": (["--pretrained_model_name_or_path", sample_predicting_sd],
                               "the base scheduler predicts 'sample': give --prediction_type epsilon or v_prediction"),
         "fp16_on_cpu": (["--mixed_precision", "fp16"], "--mixed_precision fp16 needs a GPU; on a CPU use bf16 or no"),
-        "resume_adding_ema": (["--resume_from_checkpoint", "checkpoint-9", "--train_batch_size", "2", "--use_ema"], "checkpoint-9 holds no EMA weights (its run had no --use_ema): resume without --use_ema"),
+        "resume_adding_ema": (["--resume_from_checkpoint", "checkpoint-9", "--train_batch_size", "2", "--use_ema"],
+                              f"checkpoint-9 {NO_EMA}"),
     }[case]
     before = snapshot(victim)
     log = run_in_process(SCRIPT, base + ["--output_dir", victim, *extra])

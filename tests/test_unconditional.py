@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import (CORRUPT_FILE, EQUIVALENT, REPO, STABLE_ADAM, assert_resumes_exactly, assert_same_optimizer_state,
+from conftest import (CORRUPT_FILE, EQUIVALENT, NO_EMA, REPO, STABLE_ADAM, assert_resumes_exactly, assert_same_optimizer_state,
                       assert_same_weights, checkpoints, copy_without_ema, run_script, seed_logged, snapshot, truncate,
                       unet_weights, write_imagefolder, zero)
 from PIL import Image
@@ -146,7 +146,8 @@ def test_bad_input_is_one_clear_error(case, victim, tiny_unet_config_path, label
         "resume_seed": (["--resume_from_checkpoint", "checkpoint-4", "--seed", "1"], "--seed 1 differs from the seed 0 of"),
         "resume_launch": (["--resume_from_checkpoint", "checkpoint-4", "--train_batch_size", "3"], "resume with the same images per step"),
         "resolution": (["--resolution", "33"], "--resolution 33 must be a multiple of 2"),
-        "resume_adding_ema": (["--resume_from_checkpoint", "checkpoint-9", "--train_batch_size", "2", "--use_ema"], "checkpoint-9 holds no EMA weights (its run had no --use_ema): resume without --use_ema"),
+        "resume_adding_ema": (["--resume_from_checkpoint", "checkpoint-9", "--train_batch_size", "2", "--use_ema"],
+                              f"checkpoint-9 {NO_EMA}"),
     }[case]
     before = snapshot(victim)
     log = run_in_process(SCRIPT, ["--train_data_dir", data.get(case, label_folder), "--model_config_name_or_path",

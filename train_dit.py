@@ -1,800 +1,517 @@
 #!/usr/bin/env python
-"""train_dit.py: a class-conditional Diffusion Transformer (DiT) with classifier-free guidance, the third script.
+"""train_dit.py: a class-conditional Diffusion Transformer with classifier-free guidance.
 
-A `DiTTransformer2DModel` (Peebles & Xie 2023) in the UNet's place: transformer blocks, told t and the class y by adaLN-Zero,
-predict ε_θ(x_t, t, y) from patches of the image (with a VAE, as in the paper, of its latent). A tenth of the labels become a
-null class ∅, so it also learns ε_θ(x_t, t, ∅): sampling mixes the two (classifier-free guidance). Not here: learned σ.
+train_unconditional.py with a transformer for the UNet (Peebles & Xie 2023): patches of x_t are
+its tokens; the timestep t and the class y steer each block through adaLN-Zero. A tenth of the
+labels become the null class ∅, so one model learns ε_θ(x_t, t, y) and ε_θ(x_t, t, ∅), which
+sampling mixes (classifier-free guidance). With a VAE it trains in latent space, as the paper.
 
-    python train_dit.py --train_data_dir data/digits --resolution 16 \
+    accelerate launch train_dit.py --train_data_dir data/digits --resolution 16 \
         --model_config_name_or_path configs/dit-digits --output_dir dit-digits
 
-Sections, the same in every script of this repo: 1 arguments, 2 accelerator/logging/seed,
-3 models, 4 data, 5 optimizer and LR schedule, 6 checkpoint hooks and resume, 7 training loop,
-8 validation, 9 final save.
+Its nine numbered sections come in the same order in every script here.
 """
+
 import argparse
-import hashlib
-import importlib.util
-import json
 import logging
 import math
 import os
-import secrets
 import shutil
 import time
-from contextlib import nullcontext
+from contextlib import contextmanager
 from datetime import timedelta
 from functools import partial
 
 import datasets
-import numpy as np
 import torch
 import torch.nn.functional as F
 import torchvision
 from accelerate import Accelerator, DistributedType
 from accelerate.logging import get_logger
-from accelerate.tracking import LOGGER_TYPE_TO_CLASS
-from accelerate.utils import (DataLoaderConfiguration, InitProcessGroupKwargs, ProjectConfiguration,
-                              broadcast_object_list, has_compiled_regions, is_compiled_module, set_seed)
-from datasets import load_dataset
-from diffusers import (AutoencoderKL, DDIMScheduler, DDPMScheduler, DiTPipeline, DiTTransformer2DModel,
-                       DPMSolverMultistepScheduler)
+from accelerate.utils import DataLoaderConfiguration, InitProcessGroupKwargs, ProjectConfiguration
+from accelerate.utils import set_seed
+from datasets.fingerprint import Hasher
+from diffusers import AutoencoderKL, DDIMScheduler, DDPMScheduler, DiTPipeline
+from diffusers import DiTTransformer2DModel
 from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
-from diffusers.optimization import SchedulerType, get_scheduler
-from diffusers.training_utils import EMAModel, compute_snr, free_memory, offload_models
+from diffusers.optimization import get_scheduler
+from diffusers.training_utils import EMAModel, compute_snr
 from huggingface_hub import create_repo, upload_folder
-from PIL import Image
-from torch.utils.flop_counter import FlopCounterMode
 from torchvision import transforms
 from tqdm.auto import tqdm
 
 logger = get_logger(__name__)
-TRAINER = "train_dit"  # recorded in checkpoints: another script's checkpoint is refused
-ROW = "__row__"  # a private column: each image's row in the full dataset, for its per-sample seed
-PER_STEP = ("num_processes", "train_batch_size", "gradient_accumulation_steps")  # their product: images per step
-SHARDING = (DistributedType.DEEPSPEED, DistributedType.FSDP)  # backends that store a checkpoint in their own way
-SPLIT_NAMES = {"train", "training", "test", "testing", "eval", "evaluation", "valid", "validation", "val", "dev"}
-FULL_IMAGE_CHECK = 10_000  # datasets up to this size are decoded in full before training; larger ones as they load
-MODEL_SIZES = {"S": (12, 6, 64), "B": (12, 12, 64), "L": (24, 16, 64), "XL": (28, 16, 72)}  # depth, heads, head width
-PIPELINE_NULL_CLASS = 1000  # DiTPipeline asks for the null class ∅ as label 1000, ImageNet's class count
-SAMPLERS = {"ddim": DDIMScheduler, "dpm": DPMSolverMultistepScheduler}
-# Dense bf16/fp16 tensor-core peaks (datasheets, sparsity excluded) in TFLOP/s, for MFU. The first key found in
-# torch.cuda.get_device_name() wins: H100 SXM calls itself "H100 80GB HBM3"; GeForce figures are with fp32 accumulation.
-PEAK_TFLOPS = {"H100 NVL": 835, "H100 PCIe": 756, "H100": 989, "H200 NVL": 835, "H200": 989, "B200": 2250, "A100": 312,
-               "A10G": 70, "A10": 125, "L40S": 362, "L40": 181, "L4": 121, "RTX 4090": 165, "RTX 3090": 71, "V100": 125}
 
 
-# 1. Arguments: the Diffusers example's flags and defaults, so existing commands work unchanged
+# 1. Arguments: train_unconditional.py's flags, the DiT paper's defaults
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description="Train a class-conditional DiT (DiTTransformer2DModel) from scratch.")
-    p.add_argument("--dataset_name", default=None, help="A hub dataset id, or a local dataset folder.")
-    p.add_argument("--dataset_config_name", default=None)
-    p.add_argument("--train_data_dir", default=None, help="A `datasets` imagefolder (used if no --dataset_name).")
-    p.add_argument("--image_column", default="image", help="The dataset column that holds the images.")
-    p.add_argument("--label_column", default="label", help="The dataset column that holds the class of each image.")
-    p.add_argument("--num_classes", type=int, default=None, help="Default: the ClassLabel's names, or the largest label + 1.")
-    p.add_argument("--class_dropout_prob", type=float, default=0.1, help="Share of labels replaced by the null class.")
-    p.add_argument("--model_config_name_or_path", default=None, help="A folder with a DiTTransformer2DModel config.json.")
-    p.add_argument("--model_type", default="DiT-XL/2", choices=[f"DiT-{s}/{n}" for s in MODEL_SIZES for n in (2, 4, 8)], help="Else this.")
-    p.add_argument("--pretrained_vae_model_name_or_path", default=None, help="A VAE: train in its latent space.")
-    p.add_argument("--vae_subfolder", default=None, help='Its subfolder, e.g. "vae" in a Stable Diffusion pipeline.')
+    p = argparse.ArgumentParser(description="Train a class-conditional DiT from scratch.")
+    p.add_argument("--dataset_name", help="A hub dataset, or a local dataset folder.")
+    p.add_argument("--train_data_dir", help="An imagefolder (if no --dataset_name).")
+    p.add_argument("--image_column", default="image")
+    p.add_argument("--label_column", default="label", help="Classes 0..N-1.")
+    p.add_argument("--class_dropout_prob", type=float, default=0.1)
+    p.add_argument("--model_config_name_or_path", required=True, help="e.g. configs/dit-b-2")
+    p.add_argument("--pretrained_vae_model_name_or_path", help="Train in this VAE's latents.")
+    p.add_argument("--cache_latents", action="store_true", help="Encode each image once.")
     p.add_argument("--output_dir", default="dit-model")
-    p.add_argument("--overwrite_output_dir", action="store_true", help="Accepted, as in the Diffusers example; no effect.")
-    p.add_argument("--cache_dir", default=None, help="Where `datasets` caches downloads.")
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--resolution", type=int, default=256)
-    p.add_argument("--center_crop", action="store_true", help="Center crop instead of a random crop.")
-    p.add_argument("--random_flip", action="store_true", help="Flip images horizontally at random.")
-    p.add_argument("--preserve_input_precision", action="store_true", help="Train 16-bit images at 16 bits, not 8.")
-    p.add_argument("--cache_latents", action="store_true", help="Encode each image once with the VAE before training.")
-    p.add_argument("--train_batch_size", type=int, default=16, help="Batch size per device.")
-    p.add_argument("--eval_batch_size", type=int, default=8, help="Validation images per class, one grid row per class.")
-    p.add_argument("--validation_class_labels", type=int, nargs="+", default=None, help="Default: the first 10 classes.")
+    p.add_argument("--center_crop", action="store_true", help="Else a random crop.")
+    p.add_argument("--random_flip", action="store_true")
+    p.add_argument("--train_batch_size", type=int, default=16, help="Per device.")
+    p.add_argument("--eval_batch_size", type=int, default=8, help="Samples per class.")
     p.add_argument("--dataloader_num_workers", type=int, default=0)
-    p.add_argument("--num_epochs", "--num_train_epochs", dest="num_train_epochs", type=int, default=100)
-    p.add_argument("--max_train_steps", type=int, default=None, help="Overrides --num_epochs if set.")
-    p.add_argument("--save_images_epochs", type=int, default=10, help="Sample validation images every N epochs.")
-    p.add_argument("--save_model_epochs", type=int, default=10, help="Save the pipeline every N epochs.")
-    p.add_argument("--validation_steps", type=int, default=None, help="Also sample validation images every N steps.")
-    p.add_argument("--save_model_steps", type=int, default=None, help="Also save the pipeline every N steps.")
+    p.add_argument("--num_epochs", type=int, default=100)
+    p.add_argument("--max_train_steps", type=int, help="Overrides --num_epochs.")
+    p.add_argument("--save_images_epochs", type=int, default=10, help="Validate every N epochs.")
     p.add_argument("--gradient_accumulation_steps", type=int, default=1)
-    p.add_argument("--gradient_checkpointing", action="store_true", help="Save memory at ~30% more compute.")
+    p.add_argument("--gradient_checkpointing", action="store_true")
     p.add_argument("--learning_rate", type=float, default=1e-4)
-    p.add_argument("--lr_scheduler", default="constant", choices=[s.value for s in SchedulerType])
+    p.add_argument("--lr_scheduler", default="constant")
     p.add_argument("--lr_warmup_steps", type=int, default=0)
-    p.add_argument("--adam_beta1", type=float, default=0.9)
-    p.add_argument("--adam_beta2", type=float, default=0.999)
-    p.add_argument("--adam_weight_decay", type=float, default=0.0)
-    p.add_argument("--adam_epsilon", type=float, default=1e-08)
-    p.add_argument("--use_8bit_adam", action="store_true", help="bitsandbytes' 8-bit AdamW (GPU).")
+    p.add_argument("--use_8bit_adam", action="store_true", help="bitsandbytes (GPU).")
     p.add_argument("--max_grad_norm", type=float, default=1.0)
-    p.add_argument("--use_ema", action="store_true", help="Keep an exponential moving average of the weights.")
-    p.add_argument("--ema_max_decay", type=float, default=0.9999, help="The EMA's decay from its second step on.")
-    p.add_argument("--logger", "--report_to", dest="report_to", default="tensorboard",
-                   choices=[*LOGGER_TYPE_TO_CLASS, "all", "none"])
-    p.add_argument("--logging_dir", default="logs", help="TensorBoard folder, under output_dir.")
-    p.add_argument("--mixed_precision", default=None, choices=["no", "fp16", "bf16"],
-                   help="Defaults to the `accelerate config` setting.")
-    p.add_argument("--allow_tf32", action="store_true", help="Faster fp32 matmuls on Ampere and newer GPUs.")
-    p.add_argument("--peak_tflops", type=float, default=None, help="The accelerator's dense peak, for the MFU log.")
+    p.add_argument("--use_ema", action="store_true")
+    p.add_argument("--ema_max_decay", type=float, default=0.9999)
+    p.add_argument("--logger", default="tensorboard", help="tensorboard, wandb or none.")
+    p.add_argument("--mixed_precision", choices=["no", "fp16", "bf16"])
+    p.add_argument("--allow_tf32", action="store_true", help="Faster fp32 on Ampere+.")
     p.add_argument("--prediction_type", default="epsilon", choices=["epsilon", "v_prediction"])
-    p.add_argument("--snr_gamma", type=float, default=None, help="Min-SNR-γ loss weighting; 5.0 is common.")
-    p.add_argument("--ddpm_num_steps", type=int, default=1000)
-    p.add_argument("--validation_sampler", default="ddim", choices=[*SAMPLERS], help="DDIM or DPM-Solver++; saved as the scheduler.")
-    p.add_argument("--num_inference_steps", type=int, default=50, help="Sampling steps for validation.")
-    p.add_argument("--guidance_scale", type=float, default=4.0, help="Classifier-free guidance scale s for validation.")
-    p.add_argument("--ddpm_beta_schedule", default="linear",
-                   choices=["linear", "scaled_linear", "squaredcos_cap_v2", "sigmoid", "laplace"])
-    p.add_argument("--checkpointing_steps", type=int, default=500, help="Save the full state every N steps.")
-    p.add_argument("--checkpoints_total_limit", type=int, default=None, help="Keep at most this many.")
-    p.add_argument("--resume_from_checkpoint", default=None, help='A checkpoint-N folder name, or "latest".')
-    p.add_argument("--push_to_hub", action="store_true", help="Upload output_dir to the hub at the end.")
-    p.add_argument("--hub_token", default=None)
-    p.add_argument("--hub_model_id", default=None, help="The hub repo to push to; default: output_dir's name.")
-    p.add_argument("--hub_private_repo", action="store_true")
-    p.add_argument("--enable_xformers_memory_efficient_attention", action="store_true", help="If xformers is installed.")
-    p.add_argument("--local_rank", "--local-rank", type=int, default=-1, help="Set by torch's launchers; unused.")
+    p.add_argument("--snr_gamma", type=float, help="Min-SNR-γ weighting; 5.0 is usual.")
+    p.add_argument("--ddpm_beta_schedule", default="linear")
+    p.add_argument("--num_inference_steps", type=int, default=50, help="DDIM steps to validate.")
+    p.add_argument("--guidance_scale", type=float, default=4.0, help="To validate.")
+    p.add_argument("--checkpointing_steps", type=int, default=500)
+    p.add_argument("--checkpoints_total_limit", type=int)
+    p.add_argument("--resume_from_checkpoint", help='"latest" or a checkpoint-N name.')
+    p.add_argument("--push_to_hub", action="store_true")
     args = p.parse_args(argv)
     if args.dataset_name is None and args.train_data_dir is None:
         p.error("give a dataset: --dataset_name or --train_data_dir")
-    if args.report_to in ("wandb", "all") and args.hub_token is not None:  # as the Diffusers examples refuse it
-        p.error("--hub_token with --report_to wandb would store the token in the wandb run: log in with `hf auth login` instead")
-    if not 0 <= args.class_dropout_prob < 1:
-        p.error(f"--class_dropout_prob {args.class_dropout_prob} must be in [0, 1)")
-    if args.cache_latents and not (args.center_crop and args.pretrained_vae_model_name_or_path):
-        p.error("--cache_latents needs --pretrained_vae_model_name_or_path (latents to store) and --center_crop (a random crop is new every epoch)")
+    if args.cache_latents and not (args.pretrained_vae_model_name_or_path and args.center_crop):
+        p.error("--cache_latents needs a VAE and --center_crop (a random crop differs each epoch)")
     return args
 
 
 def main(args):
-    # 2. Accelerator, logging, seed
-    # The other processes wait while the main one validates: the Diffusers example's 2-hour timeout. Several
-    # processes without a GPU talk over gloo, which DeepSpeed needs named; otherwise None lets accelerate pick.
-    cpu_processes = not torch.accelerator.is_available() and int(os.environ.get("WORLD_SIZE", "1")) > 1
+    # 2. Accelerator, logging, seed. Accelerate takes the devices, processes and precision from
+    #    `accelerate launch` or `accelerate config`: one file for a CPU, a GPU or many.
+    # several processes on CPUs talk over gloo, which DeepSpeed must be told
+    gloo = "gloo" if "LOCAL_RANK" in os.environ and not torch.accelerator.is_available() else None
     accelerator = Accelerator(
         gradient_accumulation_steps=args.gradient_accumulation_steps,
         mixed_precision=args.mixed_precision,
-        log_with=None if args.report_to == "none" else args.report_to,
-        project_config=ProjectConfiguration(args.output_dir, os.path.join(args.output_dir, args.logging_dir)),
-        # every process draws the same seeded permutation each epoch and takes its own share of it
-        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
-        step_scheduler_with_optimizer=False,  # the loop steps the LR schedule once per optimizer step
-        kwargs_handlers=[InitProcessGroupKwargs(backend="gloo" if cpu_processes else None, timeout=timedelta(seconds=7200))],
+        log_with=None if args.logger == "none" else args.logger,
+        project_config=ProjectConfiguration(args.output_dir, logging_dir=f"{args.output_dir}/logs"),
+        # every process draws the same permutation each epoch and takes its own share of it
+        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=args.seed),
+        step_scheduler_with_optimizer=False,  # the loop steps the LR once per optimizer step
+        # the others wait up to 2 h while the main process validates
+        kwargs_handlers=[InitProcessGroupKwargs(backend=gloo, timeout=timedelta(hours=2))],
     )
     if accelerator.mixed_precision == "fp16" and accelerator.device.type == "cpu":
-        raise SystemExit("error: --mixed_precision fp16 needs a GPU; on a CPU use bf16 or no.")
-    # INFO lines (progress notes, saved checkpoints) from the main process; library chatter from the others is muted
-    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
+        raise SystemExit("error: --mixed_precision fp16 needs a GPU; on a CPU use bf16 or no")
+    plugin = accelerator.state.deepspeed_plugin
+    if accelerator.distributed_type == DistributedType.FSDP or (plugin and plugin.zero_stage == 3):
+        raise SystemExit("error: launch with DDP or DeepSpeed ZeRO-1/2, not FSDP or ZeRO-3")
+    logging.basicConfig(level=logging.INFO)
     if not accelerator.is_main_process:
         datasets.utils.logging.set_verbosity_error()
-    sharded = check_launch(accelerator, args)
-    resume_path, resume_state = find_checkpoint(accelerator, args) if args.resume_from_checkpoint else (None, None)
-    repo_id = create_hub_repo(args) if accelerator.is_main_process else None
-    args.seed = shared_seed(accelerator, args.seed if resume_state is None else resume_state["seed"])
-    accelerator.dataloader_config.data_seed = args.seed
-    set_seed(args.seed)
+    set_seed(args.seed)  # the same initial weights on every process
     if args.allow_tf32:
         torch.backends.cuda.matmul.allow_tf32 = True
+    if args.push_to_hub and accelerator.is_main_process:
+        with clear_error("--push_to_hub"):  # now, not after hours of training
+            repo = create_repo(os.path.basename(os.path.abspath(args.output_dir)), exist_ok=True)
 
-    # 3. Models: the classes first (they size the label table), the frozen VAE if any, the transformer, the noise schedule
-    train_dataset = load_train_dataset(args)
-    id2label = find_classes(train_dataset, args)
-    args.validation_class_labels = args.validation_class_labels or list(range(min(10, len(id2label))))
-    if not set(args.validation_class_labels) <= set(id2label):
-        raise SystemExit(f"error: --validation_class_labels {args.validation_class_labels} must be among the classes 0..{len(id2label) - 1}")
-    weight_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(accelerator.mixed_precision, torch.float32)
+    # 3. Models: the frozen VAE if any, the transformer ε_θ, the noise schedule β_t
+    train_dataset = load_train_dataset(args, args.image_column, args.label_column)
+    labels = train_dataset.features[args.label_column]  # ClassLabel (a folder per class) or ints
+    names = getattr(labels, "names", None) or range(max(train_dataset[args.label_column]) + 1)
+    dtypes = {"fp16": torch.float16, "bf16": torch.bfloat16}
+    weight_dtype = dtypes.get(accelerator.mixed_precision, torch.float32)
     vae = None
     if args.pretrained_vae_model_name_or_path:
-        try:
-            vae = AutoencoderKL.from_pretrained(args.pretrained_vae_model_name_or_path, subfolder=args.vae_subfolder)
-        except Exception as e:  # a wrong path or subfolder, no network: one line that names the flag
-            raise SystemExit(f"error: could not load --pretrained_vae_model_name_or_path: {type(e).__name__}: {e}") from None
-        vae.requires_grad_(False).to(accelerator.device, dtype=weight_dtype)  # frozen: it only encodes (and decodes samples)
-    model = build_transformer(args, len(id2label), vae)
+        path = args.pretrained_vae_model_name_or_path
+        with clear_error(f"--pretrained_vae_model_name_or_path {path}"):
+            vae = AutoencoderKL.from_pretrained(path)
+        vae.requires_grad_(False).to(accelerator.device, dtype=weight_dtype)  # it only encodes
+    model = build_transformer(args, len(names), vae)
+    null_class = model.config.num_embeds_ada_norm  # ∅: the row after the classes
     if args.gradient_checkpointing:
         model.enable_gradient_checkpointing()
-    if args.enable_xformers_memory_efficient_attention and importlib.util.find_spec("xformers") is None:
-        logger.info("xformers is not installed: PyTorch's scaled-dot-product attention, the default, is used")
-    elif args.enable_xformers_memory_efficient_attention:
-        model.enable_xformers_memory_efficient_attention()
     noise_scheduler = DDPMScheduler(
-        num_train_timesteps=args.ddpm_num_steps,
         beta_schedule=args.ddpm_beta_schedule,
         prediction_type=args.prediction_type,
-        clip_sample=False,  # as in the paper: guidance overshoots x_0 on purpose; clipped by DDIM, the demo drew no digits at s = 4
+        clip_sample=False,  # guidance overshoots x_0 on purpose: clipped, s = 4 drew no digits
     )
-    if args.use_ema:  # the paper's EMA: the weights themselves after the first step, then a flat decay (min = max)
-        ema_model = EMAModel(model.parameters(), decay=args.ema_max_decay, min_decay=args.ema_max_decay,
-                             model_cls=DiTTransformer2DModel, model_config=model.config)
+    ema_model = None
+    if args.use_ema:  # the paper's EMA: a constant decay, from the first step on
+        decay = dict(decay=args.ema_max_decay, min_decay=args.ema_max_decay)
+        ema_model = EMAModel(
+            model.parameters(), **decay, model_cls=type(model), model_config=model.config
+        )
 
-    # 4. Data: a hub dataset or a local imagefolder; images resized, cropped, flipped, scaled to [-1, 1]; a class each
-    if args.image_column not in train_dataset.column_names:
-        raise SystemExit(f"error: --image_column '{args.image_column}' is not in the dataset; its columns are {train_dataset.column_names}")
-    # decoded by preprocess_train, so that a broken file is reported by name rather than deep inside `datasets`
-    train_dataset = train_dataset.cast_column(args.image_column, datasets.Image(decode=False))
-    train_dataset = train_dataset.add_column(ROW, np.arange(len(train_dataset)))  # before any subset: no rewrite
-    if len(train_dataset) <= FULL_IMAGE_CHECK and accelerator.is_local_main_process:
-        check_images(train_dataset, args.image_column)
-    train_transforms = transforms.Compose([
-        transforms.Resize(args.resolution, interpolation=transforms.InterpolationMode.BILINEAR),
-        transforms.CenterCrop(args.resolution) if args.center_crop else transforms.RandomCrop(args.resolution),
-        transforms.RandomHorizontalFlip(0.5 if args.random_flip else 0.0),
-        transforms.ToTensor(),
-        transforms.Normalize([0.5], [0.5]),
-    ])
-    in_channels = vae.config.in_channels if vae else model.config.in_channels  # grey model: grey images
-    if args.cache_latents:  # the frozen VAE runs here, once, instead of every step
-        no_flip = transforms.Compose([t for t in train_transforms.transforms if not isinstance(t, transforms.RandomHorizontalFlip)])
-        train_dataset = cache_encodings(accelerator, args, train_dataset, vae, weight_dtype, no_flip, in_channels)
-    size = model.config.sample_size  # ε has the model's input shape: the latent's with a VAE, the image's without
-    data = dict(args=args, train_transforms=train_transforms, in_channels=in_channels, noise_shape=(model.config.in_channels, size, size),
-                null_class=model.config.num_embeds_ada_norm, weight_dtype=weight_dtype)
-    train_dataset.set_transform(partial(preprocess_train, **data, epoch=0))
+    # 4. Data: images resized, cropped, flipped, scaled to [-1, 1], with their labels
+    crop = transforms.CenterCrop if args.center_crop else transforms.RandomCrop
+    augment = transforms.Compose(
+        [
+            transforms.Resize(args.resolution),
+            crop(args.resolution),
+            transforms.ToTensor(),
+            transforms.Normalize([0.5], [0.5]),  # [0, 1] -> [-1, 1]
+        ]
+    )
+    if args.cache_latents:  # the frozen VAE encodes each image once, here, not in every epoch
+        key = [train_dataset._fingerprint, path, args.resolution, args.random_flip, vae.dtype]
+        with accelerator.main_process_first():  # the others then read its files
+            train_dataset = train_dataset.map(
+                partial(encode_latents, args=args, augment=augment, vae=vae),
+                batched=True,
+                batch_size=args.train_batch_size,
+                remove_columns=args.image_column,
+                new_fingerprint=Hasher.hash(key),  # a second run reads the same files
+            )
+    shape = (2 * model.config.in_channels, *[model.config.sample_size] * 2)  # latent μ and log σ²
+    transform = partial(preprocess, args=args, augment=augment, shape=shape)
     train_dataloader = torch.utils.data.DataLoader(
-        train_dataset, batch_size=args.train_batch_size, shuffle=True, num_workers=args.dataloader_num_workers,
-        pin_memory=accelerator.device.type == "cuda",
+        train_dataset,
+        batch_size=args.train_batch_size,
+        shuffle=True,
+        num_workers=args.dataloader_num_workers,
+        generator=torch.Generator().manual_seed(args.seed),  # not the global RNG: see the loop
     )
 
-    # 5. Optimizer and LR schedule, prepared in one call (DeepSpeed wraps the scheduler only so). Steps are
-    #    counted on each process's share of the batches. The schedule counts optimizer steps (the loop steps it,
-    #    not accelerate), so a checkpoint means the same on any number of processes.
+    # 5. Optimizer and LR schedule, over each process's share of the batches
+    optimizer_class = torch.optim.AdamW
     if args.use_8bit_adam:
-        import bitsandbytes as bnb
-        optimizer_cls = bnb.optim.AdamW8bit
-    else:
-        optimizer_cls = torch.optim.AdamW
-    optimizer = optimizer_cls(
-        model.parameters(), lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2),
-        weight_decay=args.adam_weight_decay, eps=args.adam_epsilon,
-    )
-    num_update_steps_per_epoch = math.ceil(math.ceil(len(train_dataloader) / accelerator.num_processes) / args.gradient_accumulation_steps)
-    if args.max_train_steps is None:
-        args.max_train_steps = args.num_train_epochs * num_update_steps_per_epoch
-    args.num_train_epochs = math.ceil(args.max_train_steps / num_update_steps_per_epoch)
+        import bitsandbytes
+
+        optimizer_class = bitsandbytes.optim.AdamW8bit
+    # the paper's optimizer: AdamW, no weight decay
+    optimizer = optimizer_class(model.parameters(), lr=args.learning_rate, weight_decay=0)
+    accumulation = args.gradient_accumulation_steps
+    steps_per_epoch = math.ceil(len(train_dataloader) / accelerator.num_processes / accumulation)
+    max_train_steps = args.max_train_steps or args.num_epochs * steps_per_epoch
+    num_epochs = math.ceil(max_train_steps / steps_per_epoch)
     lr_scheduler = get_scheduler(
-        args.lr_scheduler, optimizer=optimizer, num_warmup_steps=args.lr_warmup_steps, num_training_steps=args.max_train_steps,
+        args.lr_scheduler,
+        optimizer,
+        num_warmup_steps=args.lr_warmup_steps,
+        num_training_steps=max_train_steps,
     )
-    model, optimizer, train_dataloader, lr_scheduler = accelerator.prepare(model, optimizer, train_dataloader, lr_scheduler)
-    # Under DeepSpeed the model itself holds the mixed-precision dtype and no autocast is added: feed it that dtype
-    input_dtype = accelerator.unwrap_model(model).dtype if accelerator.distributed_type == DistributedType.DEEPSPEED else torch.float32
-    if is_compiled_module(model) or has_compiled_regions(model):
-        logger.info(f"The model is compiled with torch.compile ({accelerator.state.dynamo_plugin.backend.value.lower()})")
-    if args.use_ema:
+    model, optimizer, train_dataloader, lr_scheduler = accelerator.prepare(
+        model, optimizer, train_dataloader, lr_scheduler
+    )
+    if ema_model is not None:
         ema_model.to(accelerator.device)
+    # each process draws its own ε and t (the Diffusers examples draw the same ones on every GPU)
+    set_seed(args.seed, device_specific=True)
 
-    # 6. Checkpoint hooks and resume. With plain or DDP training accelerate hands the hooks the weights to store:
-    #    they write the transformer as a `save_pretrained` folder instead and pop the weights so they are not stored
-    #    twice. DeepSpeed and FSDP store the model their own way and hand the hooks empty lists.
-    accelerator.register_save_state_pre_hook(partial(save_model_hook, accelerator, args, ema_model if args.use_ema else None))
-    accelerator.register_load_state_pre_hook(partial(load_model_hook, accelerator, args, ema_model if args.use_ema else None))
-    global_step, first_epoch, resume_step = 0, 0, 0
-    if resume_path:
-        logger.info(f"Resuming from {resume_path}")
-        accelerator.load_state(resume_path)
-        global_step = resume_state["global_step"]
-        first_epoch = global_step // num_update_steps_per_epoch
-        # the batches of the partial epoch already trained on, skipped below
-        resume_step = (global_step % num_update_steps_per_epoch) * args.gradient_accumulation_steps
-    elif args.resume_from_checkpoint:
-        logger.info(f"No checkpoint in {args.output_dir} yet; starting a new run.")
+    # 6. Checkpoint hooks and resume. save_state stores the optimizer, LR schedule and the RNG
+    #    states of every process; the hooks store the model (and EMA) as `from_pretrained`
+    #    folders, as the Diffusers examples do. DeepSpeed stores its model itself.
+    def save_model_hook(models, weights, output_dir):
+        if accelerator.is_main_process and weights:
+            accelerator.unwrap_model(models[0]).save_pretrained(f"{output_dir}/transformer")
+        if accelerator.is_main_process and ema_model is not None:
+            ema_model.save_pretrained(f"{output_dir}/transformer_ema")
+        if weights:
+            weights.pop()  # saved above
+
+    def load_model_hook(models, input_dir):
+        if models:
+            loaded = DiTTransformer2DModel.from_pretrained(input_dir, subfolder="transformer")
+            model = accelerator.unwrap_model(models.pop(), keep_torch_compile=False)
+            model.load_state_dict(loaded.state_dict())
+        if ema_model is not None:
+            loaded = EMAModel.from_pretrained(f"{input_dir}/transformer_ema", DiTTransformer2DModel)
+            ema_model.load_state_dict(loaded.state_dict())
+            ema_model.to(accelerator.device)
+
+    accelerator.register_save_state_pre_hook(save_model_hook)
+    accelerator.register_load_state_pre_hook(load_model_hook)
+    global_step = resume_from_checkpoint(accelerator, args)
+    first_epoch = global_step // steps_per_epoch
+    skip_batches = global_step % steps_per_epoch * accumulation
     if accelerator.is_main_process:
-        os.makedirs(args.output_dir, exist_ok=True)
-        accelerator.init_trackers(TRAINER, config={k: v for k, v in vars(args).items() if v is not None and k != "validation_class_labels"})
+        hparams = {k: v for k, v in vars(args).items() if isinstance(v, (int, float, str))}
+        accelerator.init_trackers("train_dit", config=hparams)
 
-    # 7. The training loop
-    total_batch_size = args.train_batch_size * accelerator.num_processes * args.gradient_accumulation_steps
-    logger.info(f"{len(train_dataset)} images, {args.num_train_epochs} epochs, {args.max_train_steps} steps of {total_batch_size} images")
+    # 7. The training loop: Algorithm 1 of DDPM, with a class each
+    total_batch_size = args.train_batch_size * accelerator.num_processes * accumulation
+    logger.info(f"{len(train_dataset)} images, {max_train_steps} steps of {total_batch_size}")
     progress_bar = tqdm(
-        range(args.max_train_steps), initial=global_step, desc="Steps", disable=not accelerator.is_local_main_process
+        range(max_train_steps), initial=global_step, disable=not accelerator.is_local_main_process
     )
-    train_loss, step_start = torch.zeros((), device=accelerator.device), time.perf_counter()
-    flops, peak = None, args.peak_tflops  # the FLOPs of one micro-batch, counted at the first; the peak MFU divides by
-    if peak is None and accelerator.device.type == "cuda":
-        peak = next((tflops for name, tflops in PEAK_TFLOPS.items() if name in torch.cuda.get_device_name()), None)
-    for epoch in range(first_epoch, args.num_train_epochs):
+    train_loss, start = 0.0, time.perf_counter()
+    for epoch in range(first_epoch, num_epochs):
         model.train()
-        train_dataset.set_transform(partial(preprocess_train, **data, epoch=epoch))
-        train_dataloader.set_epoch(epoch)
+        train_dataset.set_transform(partial(transform, epoch=epoch))
+        train_dataloader.set_epoch(epoch)  # this epoch's permutation, also when resuming
         batches = train_dataloader
-        if epoch == first_epoch and resume_step:
-            batches = accelerator.skip_first_batches(train_dataloader, resume_step)
+        if epoch == first_epoch and skip_batches:  # those the resumed checkpoint trained on
+            batches = accelerator.skip_first_batches(train_dataloader, skip_batches)
         for batch in batches:
-            stop_on_unreadable(batch, args)
-            clean_images, noise, timesteps = batch.get("pixel_values"), batch["noise"], batch["timesteps"]
-            counter = FlopCounterMode(display=False) if flops is None else nullcontext()  # a forward alone: counted as it runs
-            with torch.no_grad(), counter:
-                if vae is not None:  # x_0 is then a latent: a sample of the VAE's posterior N(μ, σ²), scaled to unit variance
-                    posterior = DiagonalGaussianDistribution(batch["latent_moments"]) if args.cache_latents else \
-                        vae.encode(clean_images.to(weight_dtype)).latent_dist  # moments cached, or encoded now
-                    clean_images = (posterior.mean + posterior.std * batch["posterior_noise"].to(weight_dtype)).float() * vae.config.scaling_factor
-            # The forward process in closed form: x_t = √ᾱ_t·x_0 + √(1−ᾱ_t)·ε
-            noisy_images = noise_scheduler.add_noise(clean_images, noise, timesteps)
-            if flops is None:  # once, at the first micro-batch: the frozen VAE's and the transformer's
-                transformer = accelerator.unwrap_model(model, keep_torch_compile=False)
-                flops = [counter.get_total_flops(), training_flops(transformer, args, noisy_images, timesteps, batch["class_labels"])]
-                logger.info(f"One micro-batch of {len(timesteps)} images: transformer forward and backward {flops[1]:.4g} FLOPs, "
-                            f"frozen VAE {flops[0]:.4g}")
-
             with accelerator.accumulate(model):
-                model_output = model(noisy_images.to(input_dtype), timesteps, batch["class_labels"]).sample  # y, or ∅ if dropped
-                target = noise if args.prediction_type == "epsilon" else noise_scheduler.get_velocity(clean_images, noise, timesteps)
-                # Algorithm 1's loss ‖ε − ε_θ(x_t, t, y)‖² (or ‖v − v_θ‖² when predicting v), one
-                # value per image so it can be weighted
-                loss = F.mse_loss(model_output.float(), target.float(), reduction="none").mean(dim=[1, 2, 3])
-                loss = (loss * snr_loss_weights(noise_scheduler, timesteps, args)).mean()
-                train_loss += loss.detach() / args.gradient_accumulation_steps  # stays on the device: no sync
-                accelerator.backward(loss)
-                if accelerator.sync_gradients:  # a no-op under DeepSpeed, which clips by its own config
+                if vae is None:
+                    clean_images = batch["pixel_values"]  # x_0 ~ q(x_0)
+                else:  # x_0 is a latent: a sample of the VAE's posterior, scaled to unit variance
+                    with torch.no_grad():  # N(μ, σ²): its moments cached, or encoded now
+                        if args.cache_latents:
+                            posterior = DiagonalGaussianDistribution(batch["latent_moments"])
+                        else:
+                            posterior = vae.encode(batch["pixel_values"].to(vae.dtype)).latent_dist
+                    clean_images = posterior.sample().float() * vae.config.scaling_factor
+                noise = torch.randn_like(clean_images)  # ε ~ N(0, I)
+                bsz, device = len(clean_images), clean_images.device
+                T = noise_scheduler.config.num_train_timesteps  # t ~ U{0, ..., T-1}:
+                timesteps = torch.randint(0, T, (bsz,), device=device)
+                # for guidance, the paper's label dropout: y becomes ∅ with p = --class_dropout_prob
+                dropped = torch.rand(bsz, device=device) < args.class_dropout_prob
+                class_labels = batch["class_labels"].masked_fill(dropped, null_class)
+                # the forward process in closed form: x_t = √ᾱ_t·x_0 + √(1-ᾱ_t)·ε
+                noisy_images = noise_scheduler.add_noise(clean_images, noise, timesteps)
+                if args.prediction_type == "epsilon":
+                    target = noise
+                else:  # v = √ᾱ_t·ε - √(1-ᾱ_t)·x_0 (Salimans & Ho 2022)
+                    target = noise_scheduler.get_velocity(clean_images, noise, timesteps)
+                # ε_θ(x_t, t, y), in the mixed-precision dtype (DeepSpeed's model holds it)
+                model_output = model(noisy_images.to(weight_dtype), timesteps, class_labels).sample
+                # ‖ε - ε_θ(x_t, t, y)‖², a value per image so that Min-SNR-γ can weight it
+                loss = F.mse_loss(model_output.float(), target.float(), reduction="none")
+                loss = loss.mean(dim=[1, 2, 3])
+                if args.snr_gamma is not None:
+                    loss = loss * min_snr_weights(noise_scheduler, timesteps, args.snr_gamma)
+                loss = loss.mean()
+                accelerator.backward(loss)  # gradients, averaged over processes
+                if accelerator.sync_gradients:
                     accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-                optimizer.step()
+                optimizer.step()  # a gradient step, once every micro-batch is in
                 optimizer.zero_grad()
+                train_loss += loss.detach() / accumulation
 
             if accelerator.sync_gradients:  # an optimizer step happened
                 lr_scheduler.step()
-                if args.use_ema:
+                if ema_model is not None:
                     ema_model.step(model.parameters())
                 global_step += 1
-                train_loss = accelerator.reduce(train_loss, "mean").item()  # the mean over all processes, for the log
-                seconds = time.perf_counter() - step_start
-                tflops = flops[1] * args.gradient_accumulation_steps / seconds / 1e12  # the transformer's, on each process
-                logs = {"loss": train_loss, "lr": lr_scheduler.get_last_lr()[0], "img/s": total_batch_size / seconds,
-                        "tflops": tflops, **({"mfu": tflops / peak} if peak else {})}
-                if args.use_ema:
-                    logs["ema_decay"] = ema_model.cur_decay_value
+                logs = {
+                    "loss": accelerator.reduce(train_loss, "mean").item(),  # over processes
+                    "lr": lr_scheduler.get_last_lr()[0],
+                    "img/s": total_batch_size / (time.perf_counter() - start),
+                }
                 progress_bar.update(1)
-                progress_bar.set_postfix(loss=train_loss, img_s=f"{logs['img/s']:.1f}", tflops=f"{tflops:.3g}")
+                progress_bar.set_postfix(**logs)
                 accelerator.log(logs, step=global_step)
+                train_loss, start = 0.0, time.perf_counter()
                 if global_step % args.checkpointing_steps == 0:
                     save_checkpoint(accelerator, args, global_step)
-                if args.validation_steps and global_step % args.validation_steps == 0:
-                    log_validation(accelerator, args, model, ema_model if args.use_ema else None, noise_scheduler, global_step, sharded, vae)
-                if args.save_model_steps and global_step % args.save_model_steps == 0:
-                    save_pipeline(accelerator, args, model, ema_model if args.use_ema else None, noise_scheduler, sharded, vae, id2label)
-                train_loss, step_start = torch.zeros((), device=accelerator.device), time.perf_counter()
-            if global_step >= args.max_train_steps:
+            if global_step >= max_train_steps:
                 break
 
-        # 8. Validation: guided samples, a row per class, with a fixed seed (EMA weights if used). With a sharded
-        #    model every process takes part; otherwise the main process alone.
-        last_epoch = epoch == args.num_train_epochs - 1 or global_step >= args.max_train_steps
-        if epoch % args.save_images_epochs == 0 or last_epoch:
-            log_validation(accelerator, args, model, ema_model if args.use_ema else None, noise_scheduler, global_step, sharded, vae)
-        if epoch % args.save_model_epochs == 0 and not last_epoch:  # the last one is the final save below
-            save_pipeline(accelerator, args, model, ema_model if args.use_ema else None, noise_scheduler, sharded, vae, id2label)
-        step_start = time.perf_counter()
-        if global_step >= args.max_train_steps:
+        # 8. Validation: guided samples from fixed noise, a row per class, EMA weights if any
+        last_epoch = epoch == num_epochs - 1 or global_step >= max_train_steps
+        if accelerator.is_main_process and (epoch % args.save_images_epochs == 0 or last_epoch):
+            log_validation(accelerator, args, model, ema_model, noise_scheduler, vae, global_step)
+        if last_epoch:
             break
 
-    # 9. Final save: transformer/ and scheduler/ (a DiTPipeline folder with a VAE), with the EMA weights if --use_ema
-    progress_bar.close()
-    save_pipeline(accelerator, args, model, ema_model if args.use_ema else None, noise_scheduler, sharded, vae, id2label)
-    logger.info(f"Saved the {'pipeline' if vae else 'transformer and scheduler'} to {args.output_dir}")
-    if repo_id is not None:
-        upload_folder(repo_id=repo_id, folder_path=args.output_dir, commit_message="End of training", token=args.hub_token,
-                      ignore_patterns=["checkpoint-*", "tmp-checkpoint-*"])
+    # 9. Final save: a DiTPipeline folder (transformer/, scheduler/, vae/), EMA weights if any
+    if accelerator.is_main_process:
+        transformer = accelerator.unwrap_model(model, keep_torch_compile=False)
+        if ema_model is not None:
+            ema_model.copy_to(transformer.parameters())
+        if vae is not None:  # as on disk, not in the mixed-precision dtype
+            vae = AutoencoderKL.from_pretrained(path)
+        scheduler = DDIMScheduler.from_config(noise_scheduler.config)  # the training βs
+        pipeline = DiTPipeline(transformer=transformer, vae=vae, scheduler=scheduler)
+        pipeline.register_to_config(id2label={i: str(name) for i, name in enumerate(names)})
+        pipeline.save_pretrained(args.output_dir)
+        logger.info(f"Saved to {args.output_dir}")
+        if args.push_to_hub:
+            upload_folder(
+                repo_id=repo.repo_id, folder_path=args.output_dir, ignore_patterns="*checkpoint*"
+            )
     accelerator.end_training()
 
 
-def create_hub_repo(args):
-    """With --push_to_hub the repo is created now: no network, offline mode or a bad token fails before training."""
+@contextmanager
+def clear_error(flag):
+    """A library's error, re-raised as one line that names the flag or file it came from."""
     try:
-        return create_repo(args.hub_model_id or os.path.basename(os.path.abspath(args.output_dir)), exist_ok=True,
-                           token=args.hub_token, private=args.hub_private_repo).repo_id if args.push_to_hub else None
+        yield
     except Exception as e:
-        raise SystemExit(f"error: --push_to_hub: could not create the hub repo: {type(e).__name__}: {e}") from None
+        raise SystemExit(f"error: {flag}: {type(e).__name__}: {e}") from None
 
 
-def check_launch(accelerator, args):
-    """Refuse, before any work, what this launch cannot do; return whether the model is sharded across processes
-    (DeepSpeed ZeRO-3 or FSDP), so that validation and the final save gather it on every process."""
-    plugin = accelerator.state.deepspeed_plugin
-    sharded = accelerator.distributed_type == DistributedType.FSDP or (plugin is not None and plugin.zero_stage == 3)
-    if sharded and args.use_ema:  # the EMA is one full copy, but each process holds only its shard of the weights
-        raise SystemExit("error: --use_ema needs whole weights on each process: use DDP or DeepSpeed ZeRO-1/2, not ZeRO-3 or FSDP")
-    if plugin is not None and plugin.zero_stage == 3 and not plugin.zero3_save_16bit_model:
-        raise SystemExit("error: DeepSpeed ZeRO-3 can only save the final model whole with `accelerate launch --zero3_save_16bit_model true`")
-    if plugin is not None:  # DeepSpeed clips by its own config: "auto" takes --max_grad_norm, a number wins
-        if plugin.deepspeed_config.get("gradient_clipping", "auto") == "auto":
-            plugin.deepspeed_config["gradient_clipping"] = args.max_grad_norm
-        logger.info(f"DeepSpeed clips gradients at norm {plugin.deepspeed_config['gradient_clipping']}")
-    return sharded
-
-
-def shared_seed(accelerator, seed):
-    """The run's seed: the one given (or stored in the checkpoint), else one drawn on the main process and sent
-    to all. Every random draw derives from it, so it is logged and stored in each checkpoint."""
-    seed = broadcast_object_list([secrets.randbits(32) if seed is None else seed])[0]
-    logger.info(f"Training with seed {seed}")
-    return seed
-
-
-def sample_seed(seed, epoch, row):
-    """A 32-bit seed for one image in one epoch, the same in every process and run (Python's `hash` is salted
-    per process; torch's CPU generator keeps 32 bits of a seed)."""
-    return int(np.random.SeedSequence([seed, epoch, row]).generate_state(1)[0])
-
-
-def preprocess_train(examples, args, train_transforms, in_channels, noise_shape, null_class, weight_dtype, epoch):
-    """A module-level function (and a `partial` of it) pickles, so dataloader workers can be spawned.
-
-    Each image's crop, flip, noise ε, timestep t, label dropout and VAE posterior noise come from a seed of
-    (seed, epoch, row), not from the global random stream: the same draws however the run is batched, split across
-    processes or resumed (the dataloader reads a batch ahead, which would shift a shared stream). With the cache,
-    the stored encoding stands in for the image, picked by the same draw."""
-    columns = {"pixel_values": [], "latent_moments": [], "noise": [], "timesteps": [], "class_labels": [], "unreadable": [],
-               "posterior_noise": []}
-    for i, (label, row) in enumerate(zip(examples[args.label_column], examples[ROW])):
-        with torch.random.fork_rng(devices=[]):
-            torch.default_generator.manual_seed(sample_seed(args.seed, epoch, row))  # CPU only: 100x cheaper than torch.manual_seed
-            if args.cache_latents:  # one draw, as RandomHorizontalFlip makes (also at p = 0), picks the orientation
-                flipped = int(torch.rand(1) < (0.5 if args.random_flip else 0.0))
-                columns["latent_moments"].append(from_bytes(examples["latent_moments"][i], weight_dtype, (2 * noise_shape[0], *noise_shape[1:]))[flipped])
-            else:
-                image = open_image(examples[args.image_column][i])
-                columns["unreadable"].append("" if image is not None else examples[args.image_column][i]["path"] or f"row {row}")  # the loop stops on it
-                columns["pixel_values"].append(train_transforms(image_for_model(image, args, in_channels)).expand(in_channels, -1, -1))
-            columns["noise"].append(torch.randn(noise_shape))
-            columns["timesteps"].append(torch.randint(0, args.ddpm_num_steps, ()))
-            # the paper's label dropout: once per image, to the null class ∅, so ε_θ(x_t, t, ∅) is really trained
-            columns["class_labels"].append(torch.tensor(null_class if torch.rand(()) < args.class_dropout_prob else label))
-            if args.pretrained_vae_model_name_or_path:  # z = μ + σ·n, a sample of the VAE's posterior
-                columns["posterior_noise"].append(torch.randn(noise_shape))
-    return {name: values for name, values in columns.items() if values}
-
-
-def training_flops(model, args, *inputs):
-    """The FLOPs of one forward and backward of the model on inputs of these shapes, counted by torch on a copy built
-    on the meta device: no memory, no compute. (Counted on the real step, the backward rounds differently, and exact
-    resume would be lost.) With gradient checkpointing the copy runs each block's forward twice, as training does."""
-    with torch.device("meta"):
-        copy = type(model).from_config(model.config)
-    if args.gradient_checkpointing:
-        copy.enable_gradient_checkpointing()
-    inputs = [x.to("meta", torch.float32 if x.is_floating_point() else x.dtype) for x in inputs]  # fp32, as the copy is
-    with FlopCounterMode(display=False) as counter:
-        copy(*inputs, return_dict=False)[0].float().mean().backward()
-    return counter.get_total_flops()
-
-
-def cache_encodings(accelerator, args, dataset, vae, weight_dtype, encode_transforms, in_channels):
-    """Run the frozen VAE once per image, before training, and keep its posterior's moments (mean and log-variance,
-    both orientations with --random_flip), so each step still draws its own z_0 = μ + σ·ε. `datasets.map` writes them
-    to Arrow files in <--cache_dir or the datasets cache>/encodings, named by a fingerprint of what decides them, so a
-    second run on the same data, VAE and flags reads them back. Each process encodes its share; then the VAE leaves the
-    accelerator until validation."""
-    start, n = time.perf_counter(), accelerator.num_processes
-    # "format 2": change it when what the files hold, or how images are decoded, changes (old files are not read then)
-    key = ["format 2", dataset._fingerprint, args.image_column, args.pretrained_vae_model_name_or_path, args.vae_subfolder, str(weight_dtype),
-           args.resolution, args.random_flip, args.preserve_input_precision]  # the data (its files, every change made to it), the VAE, the flags
-    fingerprint = broadcast_object_list([hashlib.sha256(json.dumps(key).encode()).hexdigest()[:16]])[0]  # the main process's
-    encode = dict(function=partial(encode_batch, args=args, vae=vae, encode_transforms=encode_transforms, in_channels=in_channels),
-                  batched=True, batch_size=args.train_batch_size, remove_columns=dataset.column_names, desc="Encoding the training images once")
-    folder = os.path.join(args.cache_dir or datasets.config.HF_DATASETS_CACHE, "encodings")
-    os.makedirs(folder, exist_ok=True)
-
-    def shard(i):  # process i's share: encoded, or read back from the file written when it was
-        name = f"{fingerprint}-{i}-of-{n}"
-        return dataset.shard(n, i, contiguous=True).map(**encode, new_fingerprint=name, load_from_cache_file=True,
-                                                        cache_file_name=os.path.join(folder, f"{name}.arrow"))
-    shard(accelerator.process_index)
-    accelerator.wait_for_everyone()
-    encodings = datasets.concatenate_datasets([shard(i) for i in range(n)])
-    # The files hold the encodings alone, joined to the data's own columns without a copy; the images are no longer
-    # read with the latents cached. A subset (--max_train_samples) indexes the data: written out once for the join.
-    dataset = dataset.remove_columns(args.image_column)
-    if dataset._indices is not None:
-        with accelerator.main_process_first():  # the others read what the main process wrote
-            dataset = dataset.flatten_indices()
-    dataset = datasets.concatenate_datasets([dataset, encodings], axis=1)
-    vae.to("cpu")
-    free_memory()
-    logger.info(f"Cached the encodings of {len(dataset)} images in {time.perf_counter() - start:.1f} s, "
-                f"{len(dataset[0]['latent_moments']):,} bytes per image")
-    return dataset
-
-
-def encode_batch(examples, args, vae, encode_transforms, in_channels):
-    """A batch of the cache: the raw bytes of each image's VAE moments (unflipped, flipped), in the VAE's dtype."""
-    images = [open_image(item) for item in examples[args.image_column]]
-    for item, image, row in zip(examples[args.image_column], images, examples[ROW]):
-        if image is None:
-            raise SystemExit(f"error: image {item['path'] or f'row {row}'} cannot be read")
-    pixels = torch.stack([encode_transforms(image_for_model(image, args, in_channels)).expand(in_channels, -1, -1) for image in images])
-    pixels = pixels.to(vae.device, vae.dtype)
-    with torch.no_grad():
-        moments = [vae.encode(p).latent_dist.parameters for p in ([pixels, pixels.flip(-1)] if args.random_flip else [pixels])]
-    return {"latent_moments": [m.cpu().contiguous().view(torch.uint8).numpy().tobytes() for m in torch.stack(moments, dim=1)]}
-
-
-def from_bytes(data, dtype, shape):
-    """Cached tensors back from their bytes: a stack of tensors of the given shape."""
-    return torch.frombuffer(bytearray(data), dtype=dtype).view(-1, *shape)
-
-
-def image_for_model(image, args, channels):
-    """Grey for a one-channel model, else RGB; with --preserve_input_precision a 16-bit image becomes a float one in
-    [0, 1] instead of 8-bit (its one channel is copied to each of the model's)."""
-    mode = "L" if channels == 1 else "RGB"
-    if image is None:  # unreadable: a stand-in, the training loop stops on it
-        return Image.new(mode, (1, 1))
-    if args.preserve_input_precision and image.mode.startswith("I"):  # 16-bit PNGs open as I or I;16
-        return Image.fromarray(np.asarray(image, dtype=np.float32) / 65535).convert("F")
-    return image.convert(mode)
-
-
-def snr_loss_weights(noise_scheduler, timesteps, args):
-    """Per-image loss weights from SNR(t) = ᾱ_t / (1 − ᾱ_t)."""
-    snr = compute_snr(noise_scheduler, timesteps)
-    if args.snr_gamma is None:
-        return torch.ones_like(snr)
-    if args.prediction_type == "v_prediction":  # ‖v − v_θ‖² = (SNR + 1) / SNR · ‖ε − ε_θ‖²: the same weights on ε
-        return snr.clamp(max=args.snr_gamma) / (snr + 1)
-    return snr.clamp(max=args.snr_gamma) / snr  # min-SNR-γ: cap the weight of the easy, nearly clean timesteps
-
-
-def build_transformer(args, num_classes, vae):
-    """A DiTTransformer2DModel from scratch, set up as the paper trains it rather than as diffusers builds it."""
-    if args.model_config_name_or_path:
-        config = DiTTransformer2DModel.load_config(args.model_config_name_or_path)
-    else:  # the paper's sizes, e.g. DiT-XL/2: 28 blocks of width 16 x 72 = 1152 on patches of 2 x 2; RGB pixels
-        depth, heads, width = MODEL_SIZES[args.model_type[4:-2]]
-        config = dict(num_layers=depth, num_attention_heads=heads, attention_head_dim=width, patch_size=int(args.model_type[-1]), in_channels=3)
-    channels, scale = (vae.config.latent_channels, 2 ** (len(vae.config.block_out_channels) - 1)) if vae else (config.get("in_channels", 4), 1)
-    if args.resolution % (multiple := scale * config.get("patch_size", 2)):
-        raise SystemExit(f"error: --resolution {args.resolution} must be a multiple of {multiple} (patch size{' × VAE scale' if vae else ''})")
-    # ∅ is the table's row after the classes; DiTPipeline asks for 1000, so with a VAE (a DiTPipeline is saved) there are 1000
-    # class rows, the unused never trained. out_channels explicitly: DiTPipeline reads out_channels // 2 (learned σ), fails on None.
-    model = DiTTransformer2DModel.from_config({**config, "num_embeds_ada_norm": PIPELINE_NULL_CLASS if vae else num_classes,
-                                              "sample_size": args.resolution // scale, "in_channels": channels, "out_channels": channels})
-    for block in model.transformer_blocks:  # (1) no label dropout in each block (28 draws in XL: hardly ever all ∅); once per
-        block.norm1.emb.class_embedder.dropout_prob = 0.0  # image in preprocess_train instead, so the unconditional model is trained
-    # (2) adaLN-Zero: each block's shift/scale/gate linear starts at zero, so every block starts as the identity (its
-    # residual branches gated by 0); so do the final modulation and projection: a fresh model predicts exactly 0.
-    for layer in [block.norm1.linear for block in model.transformer_blocks] + [model.proj_out_1, model.proj_out_2]:
-        torch.nn.init.zeros_(layer.weight)
-        torch.nn.init.zeros_(layer.bias)
-    # (3) Each block keeps its own t and y embedders (the paper has one c = t + y for all): tied, save_pretrained would refuse
-    # "tensors that share memory" and EMAModel's saved copy (untied) list other parameters; untied, they cost weights only.
-    return model
-
-
-def find_classes(dataset, args):
-    """id2label: a ClassLabel's names, or 0..max of integer labels (or --num_classes); else one clear error."""
-    if args.label_column not in dataset.column_names:
-        raise SystemExit(f"error: --label_column '{args.label_column}' is not in the dataset; its columns are {dataset.column_names}")
-    feature = dataset.features[args.label_column]
-    names = feature.names if isinstance(feature, datasets.ClassLabel) else []
-    if not names and not (isinstance(feature, datasets.Value) and feature.dtype.startswith(("int", "uint"))):
-        raise SystemExit(f"error: --label_column '{args.label_column}' holds {feature}, not integer classes (0..N-1, or a folder per class)")
-    labels = list(dataset[args.label_column])
-    count = args.num_classes or len(names) or max([label for label in labels if label is not None], default=0) + 1
-    outside = [label for label in labels if label is None or not 0 <= label < count]
-    if outside:  # None: no label; a ClassLabel marks a missing one as -1
-        raise SystemExit(f"error: --label_column '{args.label_column}' has the label {outside[0]}, not a class 0..{count - 1}")
-    if count < 2 or (args.pretrained_vae_model_name_or_path and count > PIPELINE_NULL_CLASS):  # with a VAE, class 1000 is ∅
-        raise SystemExit(f"error: --label_column '{args.label_column}' has {count} classes: 2 or more, with a VAE at most {PIPELINE_NULL_CLASS}")
-    return {i: names[i] if i < len(names) else str(i) for i in range(count)}
-
-
-def load_train_dataset(args):
-    """The training split, or one clear error naming the flag."""
-    flag, source = ("--dataset_name", args.dataset_name) if args.dataset_name else ("--train_data_dir", args.train_data_dir)
-    if args.dataset_name is None and not os.path.isdir(args.train_data_dir):
-        raise SystemExit(f"error: --train_data_dir {args.train_data_dir} is not a folder")
-    try:
-        if args.dataset_name is not None:
-            dataset = load_dataset(args.dataset_name, args.dataset_config_name, cache_dir=args.cache_dir,
-                                   data_dir=args.train_data_dir, split="train")
-        else:  # one pattern for every file below: given a data_dir, datasets globs ~60 split names over every file
-            # (minutes for 100k images). A folder split into train/, test/ ... is still read the Diffusers way.
-            split_dirs = SPLIT_NAMES & {name.lower() for name in os.listdir(args.train_data_dir)}
-            files = {"data_dir": args.train_data_dir} if split_dirs else {"data_files": {"train": os.path.join(args.train_data_dir, "**")}}
-            dataset = load_dataset("imagefolder", **files, cache_dir=args.cache_dir, split="train")
-    except Exception as e:  # datasets raises many kinds: say which input failed, and why
-        raise SystemExit(f"error: could not load {flag} {source}: {type(e).__name__}: {e}") from None
-    if len(dataset) == 0:
-        raise SystemExit(f"error: {flag} {source} has no images")
-    return dataset
+def load_train_dataset(args, *columns):
+    """A hub dataset or an imagefolder, and a "row" column that seeds each image's crop and flip."""
+    if args.dataset_name:
+        with clear_error(f"--dataset_name {args.dataset_name}"):
+            dataset = datasets.load_dataset(args.dataset_name)["train"]
+    else:
+        with clear_error(f"--train_data_dir {args.train_data_dir}"):
+            files = {"train": os.path.join(args.train_data_dir, "**")}
+            dataset = datasets.load_dataset("imagefolder", data_files=files)["train"]
+    for column in columns:
+        if column not in dataset.column_names:
+            raise SystemExit(f"error: no column {column!r}; the dataset has {dataset.column_names}")
+    # decoded by open_image, so that a file that cannot be read is named
+    dataset = dataset.cast_column(args.image_column, datasets.Image(decode=False))
+    return dataset.add_column("row", range(len(dataset)))
 
 
 def open_image(item):
-    """Decode one image of a column cast to `Image(decode=False)` as `datasets` would (turned upright by its EXIF
-    orientation, as phone photos need); None if the file is broken. It decodes it all: a truncated JPEG passes
-    Image.verify() but fails here."""
+    """One image, decoded as `datasets` does it (turned upright by its EXIF orientation)."""
     try:
         return datasets.Image().decode_example(item)
-    except Exception:
-        return None
+    except Exception as e:
+        raise SystemExit(f"error: image {item['path']} cannot be read: {e}") from None
 
 
-def check_images(dataset, column):
-    """Decode every image once before training (small datasets), so a broken file stops the run now, by name."""
-    for item in dataset.select_columns([column, ROW]):
-        if open_image(item[column]) is None:
-            raise SystemExit(f"error: image {item[column]['path'] or f'row {item[ROW]}'} cannot be read")
+def preprocess(examples, args, augment, shape, epoch):
+    """Images to tensors (cached: their latents' moments), and labels. As in train_unconditional,
+    the crop and flip are drawn from a seed of (seed, epoch, row)."""
+    batch = {"class_labels": examples[args.label_column], "pixel_values": [], "latent_moments": []}
+    for i, row in enumerate(examples["row"]):
+        with torch.random.fork_rng(devices=[]):
+            torch.default_generator.manual_seed(args.seed + (epoch << 40) + row)  # < 2^40 rows
+            flip = torch.rand(()) < (0.5 if args.random_flip else 0.0)
+            if args.cache_latents:  # the moments of both sides are cached: pick one
+                data = bytearray(examples["latent_moments"][i])
+                moments = torch.frombuffer(data, dtype=torch.float32).view(-1, *shape)
+                batch["latent_moments"].append(moments[int(flip)])
+            else:
+                pixels = augment(open_image(examples[args.image_column][i]).convert("RGB"))
+                batch["pixel_values"].append(pixels.flip(-1) if flip else pixels)
+    return {name: values for name, values in batch.items() if len(values)}
 
 
-def stop_on_unreadable(batch, args):
-    """A large dataset's images are decoded as they load: a broken one ends the run here, by name."""
-    for name in batch.get("unreadable", ()):  # none with --cache_latents: the images were read when cached
-        if name:
-            found = [d for d in os.listdir(args.output_dir) if is_checkpoint_name(d)] if os.path.isdir(args.output_dir) else []
-            last = f"; fix or remove it and resume from {max(found, key=lambda d: int(d[11:]))}" if found else ""
-            raise SystemExit(f"error: image {name} cannot be read{last}")
+def encode_latents(examples, args, augment, vae):
+    """The VAE posterior's moments (mean, log-variance) of each image, of both sides if flipping:
+    each step still draws its own latent z_0 = μ + σ·n from them. Raw float32 bytes, read fast."""
+    images = [augment(open_image(item).convert("RGB")) for item in examples[args.image_column]]
+    pixels = torch.stack(images).to(vae.device, vae.dtype)
+    sides = [pixels, pixels.flip(-1)] if args.random_flip else [pixels]
+    with torch.no_grad():
+        moments = torch.stack([vae.encode(side).latent_dist.parameters for side in sides], dim=1)
+    return {"latent_moments": [m.float().cpu().numpy().tobytes() for m in moments]}
 
 
-def find_checkpoint(accelerator, args):
-    """The checkpoint to resume from and its training_state.json, or (None, None) for `latest` when there is none.
-    A named checkpoint must exist; any checkpoint must be complete and from a run this launch can continue."""
-    name, output_dir = args.resume_from_checkpoint, args.output_dir
-    if name == "latest":
-        found = [d for d in os.listdir(output_dir) if is_checkpoint_name(d)] if os.path.isdir(output_dir) else []
-        if not found:
-            return None, None
-        path = os.path.join(output_dir, max(found, key=lambda d: int(d[11:])))
-    else:
-        path = os.path.join(output_dir, os.path.basename(os.path.normpath(name)))
-        if not os.path.exists(path):  # starting afresh would let rotation delete the new run's checkpoints
-            raise SystemExit(f"error: --resume_from_checkpoint {path} does not exist (`latest` starts afresh when there is none)")
-    try:
-        with open(os.path.join(path, "training_state.json")) as f:
-            state = json.load(f)
-    except (OSError, ValueError):
-        state = {}
-    if not is_checkpoint_name(os.path.basename(path)) or state.get("trainer") != TRAINER:
-        raise SystemExit(f"error: --resume_from_checkpoint {path} is not a checkpoint-N folder written by {TRAINER}.py")
-    for file, size in state["files"].items():  # a partial copy or a truncated file fails here, not mid-load
-        if not os.path.isfile(os.path.join(path, file)) or os.path.getsize(os.path.join(path, file)) != size:
-            raise SystemExit(f"error: checkpoint {path} is incomplete: {file} is missing or not the {size} bytes written")
-    if args.seed is not None and args.seed != state["seed"]:
-        raise SystemExit(f"error: --seed {args.seed} differs from the seed {state['seed']} of {path}: leave it out to resume")
-    saved, now = state["launch"], launch_shape(accelerator, args)
-    # A step is a number of images: with the same number per step, the step count and the data order mean the same
-    # however they are split. A sharded optimizer state must be loaded into as many shards as were saved.
-    if math.prod(saved[k] for k in PER_STEP) != math.prod(now[k] for k in PER_STEP) or saved["sharded_by"] != now["sharded_by"] \
-            or (now["sharded_by"] and saved["num_processes"] != now["num_processes"]):
-        raise SystemExit(f"error: {path} was trained with {saved}; this launch has {now}: resume with the same images per step"
-                         " (and, under DeepSpeed or FSDP, the same processes)")
-    return path, state
+def build_transformer(args, num_classes, vae):
+    """A DiTTransformer2DModel from scratch, set up as the paper trains it, not as diffusers."""
+    with clear_error(f"--model_config_name_or_path {args.model_config_name_or_path}"):
+        config = DiTTransformer2DModel.load_config(args.model_config_name_or_path)
+    channels = vae.config.latent_channels if vae else config.get("in_channels", 3)
+    size = args.resolution // (2 ** (len(vae.config.block_out_channels) - 1) if vae else 1)
+    config |= dict(in_channels=channels, out_channels=channels, sample_size=size)
+    classes = 1000 if vae else num_classes  # DiTPipeline asks for ∅ as 1000, ImageNet's count
+    model = DiTTransformer2DModel.from_config(config, num_embeds_ada_norm=classes)
+    # (1) Labels are dropped once per image, in the loop; dropped in each block apart, ∅ would
+    # hardly ever be the whole condition. (2) adaLN-Zero: each block's modulation (shift, scale,
+    # gate) starts at zero, so each block starts as the identity; so do the final layers.
+    zeroed = [model.proj_out_1, model.proj_out_2]
+    for block in model.transformer_blocks:
+        block.norm1.emb.class_embedder.dropout_prob = 0.0
+        zeroed.append(block.norm1.linear)
+    for layer in zeroed:
+        torch.nn.init.zeros_(layer.weight)
+        torch.nn.init.zeros_(layer.bias)
+    return model
 
 
-def launch_shape(accelerator, args):
-    sharded_by = accelerator.distributed_type.value if accelerator.distributed_type in SHARDING else None
-    return {"num_processes": accelerator.num_processes, "train_batch_size": args.train_batch_size,
-            "gradient_accumulation_steps": args.gradient_accumulation_steps, "sharded_by": sharded_by}
+def min_snr_weights(noise_scheduler, timesteps, snr_gamma):
+    """Min-SNR-γ (Hang et al. 2023): weights min(SNR(t), γ) / SNR(t), or / (SNR(t) + 1) for v, with
+    SNR(t) = ᾱ_t / (1 - ᾱ_t): the nearly clean, easy timesteps no longer dominate the gradient."""
+    snr = compute_snr(noise_scheduler, timesteps)
+    v_target = noise_scheduler.config.prediction_type == "v_prediction"
+    return snr.clamp(max=snr_gamma) / (snr + 1 if v_target else snr)
 
 
-def is_checkpoint_name(name):
-    return name.startswith("checkpoint-") and name[len("checkpoint-"):].isdigit()
+def list_checkpoints(output_dir):
+    """The checkpoint-N folders in output_dir, oldest first."""
+    names = os.listdir(output_dir) if os.path.isdir(output_dir) else []
+    names = [n for n in names if n.startswith("checkpoint-") and n[11:].isdigit()]
+    return sorted(names, key=lambda n: int(n[11:]))
 
 
 def save_checkpoint(accelerator, args, global_step):
-    """Rotate, then save to a temporary folder and rename it: a crash mid-save leaves no broken checkpoint-N.
-    training_state.json records the run (seed, launch) and every file's size, to check it before a resume."""
-    final = os.path.join(args.output_dir, f"checkpoint-{global_step}")
-    tmp = os.path.join(args.output_dir, f"tmp-checkpoint-{global_step}")
-    if accelerator.is_main_process:
-        if args.checkpoints_total_limit is not None:
-            old = sorted((d for d in os.listdir(args.output_dir) if is_checkpoint_name(d)), key=lambda d: int(d[11:]))
-            for d in old[: max(0, len(old) - args.checkpoints_total_limit + 1)]:
-                shutil.rmtree(os.path.join(args.output_dir, d))
-        shutil.rmtree(tmp, ignore_errors=True)
-    accelerator.wait_for_everyone()
-    accelerator.save_state(tmp)  # every process writes its own RNG state (and its shard, when sharded)
+    """Keep at most --checkpoints_total_limit, then write tmp-checkpoint-N and rename it: a crash
+    while saving leaves no half-written checkpoint-N for `latest` to pick."""
+    path = f"{args.output_dir}/checkpoint-{global_step}"
+    tmp = f"{args.output_dir}/tmp-checkpoint-{global_step}"
+    if accelerator.is_main_process and args.checkpoints_total_limit is not None:
+        old = list_checkpoints(args.output_dir)
+        for name in old[: max(0, len(old) - args.checkpoints_total_limit + 1)]:
+            shutil.rmtree(f"{args.output_dir}/{name}")
+    accelerator.save_state(tmp)  # on every process: each writes its RNG states
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
-        files = {os.path.relpath(os.path.join(d, f), tmp): os.path.getsize(os.path.join(d, f))
-                 for d, _, names in os.walk(tmp) for f in names}
-        state = {"trainer": TRAINER, "global_step": global_step, "seed": args.seed,
-                 "launch": launch_shape(accelerator, args), "files": files}
-        with open(os.path.join(tmp, "training_state.json"), "w") as f:
-            json.dump(state, f, indent=1)
-        shutil.rmtree(final, ignore_errors=True)
-        os.rename(tmp, final)
-        logger.info(f"Saved state to {final}")
-    accelerator.wait_for_everyone()
+        shutil.rmtree(path, ignore_errors=True)  # from a run before this one's resume
+        os.rename(tmp, path)
+        logger.info(f"Saved {path}")
 
 
-def save_model_hook(accelerator, args, ema_model, models, weights, output_dir):
-    if accelerator.is_main_process:
-        if ema_model is not None:
-            ema_model.save_pretrained(os.path.join(output_dir, "transformer_ema"))
-        if weights:  # plain or DDP: the transformer as a `save_pretrained` folder, instead of accelerate's copy
-            accelerator.unwrap_model(models[0], keep_torch_compile=False).save_pretrained(os.path.join(output_dir, "transformer"))
-    if weights:
-        weights.pop()
+def resume_from_checkpoint(accelerator, args):
+    """Load --resume_from_checkpoint (`latest`: the newest, if any) and return its step."""
+    name = args.resume_from_checkpoint
+    if name == "latest":  # none yet: a new run
+        name = (list_checkpoints(args.output_dir) or [None])[-1]
+    if name is None:
+        return 0
+    path = os.path.join(args.output_dir, os.path.basename(os.path.normpath(name)))
+    with clear_error(f"--resume_from_checkpoint {path}"):  # missing, partial, another run's
+        accelerator.load_state(path)
+        logger.info(f"Resumed from {path}")
+        return int(path.rsplit("-", 1)[1])
 
 
-def load_model_hook(accelerator, args, ema_model, models, input_dir):
-    if ema_model is not None:
-        if not os.path.isdir(os.path.join(input_dir, "transformer_ema")):
-            raise SystemExit(f"error: {input_dir} holds no EMA weights (its run had no --use_ema): resume without --use_ema")
-        loaded = EMAModel.from_pretrained(os.path.join(input_dir, "transformer_ema"), DiTTransformer2DModel)
-        ema_model.load_state_dict(loaded.state_dict())
-        ema_model.to(accelerator.device)
-    if models:  # plain or DDP; DeepSpeed and FSDP have loaded the model already
-        loaded = DiTTransformer2DModel.from_pretrained(input_dir, subfolder="transformer")
-        accelerator.unwrap_model(models.pop(), keep_torch_compile=False).load_state_dict(loaded.state_dict())
-
-
-def full_model(accelerator, model, sharded):
-    """The trained model, whole, on the main process (None on the others). A sharded model is gathered from all
-    processes, which must all call this; the compiled wrapper is dropped, so weights keep their plain names."""
-    accelerator.wait_for_everyone()
-    unet = accelerator.unwrap_model(model, keep_torch_compile=False)
-    if sharded:
-        state_dict = accelerator.get_state_dict(model)  # whole on the main process
-        if accelerator.is_main_process:
-            unet = type(unet).from_config(unet.config)
-            unet.load_state_dict(state_dict)
-    return unet if accelerator.is_main_process else None
-
-
-def log_validation(accelerator, args, model, ema_model, noise_scheduler, global_step, sharded, vae):
-    if not (accelerator.is_main_process or sharded):
-        return
-    transformer = accelerator.unwrap_model(model, keep_torch_compile=False)
-    transformer.eval()  # no dropout while sampling (a config may set some); train() again below
-    if ema_model is not None:  # sample with the EMA weights, then put the training weights back
+def log_validation(accelerator, args, model, ema_model, noise_scheduler, vae, global_step):
+    transformer = accelerator.unwrap_model(model)
+    transformer.eval()  # no dropout while sampling
+    if ema_model is not None:  # sample with the EMA weights, then put the trained ones back
         ema_model.store(transformer.parameters())
         ema_model.copy_to(transformer.parameters())
-    class_labels = torch.tensor(args.validation_class_labels, device=accelerator.device).repeat_interleave(args.eval_batch_size)
-    # seed 0: the same starting noise every time, so progress is visible; a cached VAE comes back to decode
-    with accelerator.autocast(), offload_models(vae, device=accelerator.device, offload=args.cache_latents):
-        images = sample_images(transformer, SAMPLERS[args.validation_sampler].from_config(noise_scheduler.config), class_labels,
-                               args.guidance_scale, args.num_inference_steps, vae, torch.Generator("cpu").manual_seed(0)).float().cpu()
+    classes = torch.arange(min(10, transformer.config.num_embeds_ada_norm))  # the first 10
+    labels = classes.repeat_interleave(args.eval_batch_size).to(accelerator.device)
+    scheduler = DDIMScheduler.from_config(noise_scheduler.config)
+    generator = torch.Generator().manual_seed(0)  # the same noise each time: progress shows
+    steps, scale = args.num_inference_steps, args.guidance_scale
+    images = sample_images(transformer, scheduler, labels, scale, steps, vae, generator)
     if ema_model is not None:
         ema_model.restore(transformer.parameters())
     transformer.train()
-    if not accelerator.is_main_process:
-        return
-    os.makedirs(os.path.join(args.output_dir, "samples"), exist_ok=True)
-    grid = F.interpolate(images, scale_factor=max(1, 64 // args.resolution), mode="nearest")  # small images enlarged, unblurred
-    torchvision.utils.save_image(grid, os.path.join(args.output_dir, "samples", f"step-{global_step}.png"), nrow=args.eval_batch_size)
-    for tracker in accelerator.trackers:
-        if tracker.name == "tensorboard":
-            tracker.writer.add_images("test_samples", images, global_step)
-        elif tracker.name == "wandb":
-            import wandb
-            tracker.log({"test_samples": [wandb.Image(image.permute(1, 2, 0).numpy()) for image in images]}, step=global_step)
+    save_grid(accelerator, args, images, global_step, nrow=args.eval_batch_size)
 
 
 @torch.no_grad()
-def sample_images(model, scheduler, class_labels, guidance_scale, num_inference_steps, vae=None, generator=None):
-    """One image per class label in [0, 1], from pure noise, guided at every step of the DDIM or DPM-Solver schedule."""
-    x = torch.randn((len(class_labels), model.config.in_channels, *[model.config.sample_size] * 2), generator=generator).to(class_labels.device)
-    labels = torch.cat([class_labels, torch.full_like(class_labels, model.config.num_embeds_ada_norm)])  # y, then ∅ (last row)
-    scheduler.set_timesteps(num_inference_steps)
-    for t in scheduler.timesteps:  # bf16 inputs for a bf16 model under DeepSpeed, which adds no autocast
-        inputs = torch.cat([scheduler.scale_model_input(x, t)] * 2).to(model.dtype)
-        conditional, unconditional = model(inputs, t.expand(len(inputs)).to(x.device), labels).sample.float().chunk(2)
-        # classifier-free guidance ε(x, ∅) + s·(ε(x, y) − ε(x, ∅)): s = 1 is the conditional model, s = 0 the unconditional one
-        x = scheduler.step(unconditional + guidance_scale * (conditional - unconditional), t, x).prev_sample
+def sample_images(model, scheduler, class_labels, guidance_scale, steps, vae=None, generator=None):
+    """Images in [0, 1], one per label: DDIM from noise, guided at every step."""
+    shape = (len(class_labels), model.config.in_channels, *[model.config.sample_size] * 2)
+    x = torch.randn(shape, generator=generator).to(class_labels.device)
+    null = torch.full_like(class_labels, model.config.num_embeds_ada_norm)
+    scheduler.set_timesteps(steps)
+    for t in scheduler.timesteps:  # y and ∅ in a batch
+        inputs, labels = torch.cat([x, x]).to(model.dtype), torch.cat([class_labels, null])
+        output = model(inputs, t.expand(len(inputs)).to(x.device), labels).sample.float()
+        conditional, unconditional = output.chunk(2)
+        # ε(x, ∅) + s·(ε(x, y) - ε(x, ∅)): s = 1 is the conditional model; s > 1 goes beyond
+        guided = unconditional + guidance_scale * (conditional - unconditional)
+        x = scheduler.step(guided, t, x).prev_sample
     if vae is not None:  # back from the latent space
         x = vae.decode((x / vae.config.scaling_factor).to(vae.dtype)).sample.float()
     return (x / 2 + 0.5).clamp(0, 1)
 
 
-def save_pipeline(accelerator, args, model, ema_model, noise_scheduler, sharded, vae, id2label):
-    """transformer/, scheduler/ (the training βs) and the classes, or a DiTPipeline folder; every process calls this."""
-    transformer = full_model(accelerator, model, sharded)
-    if accelerator.is_main_process:
-        if ema_model is not None:
-            ema_model.store(transformer.parameters())
-            ema_model.copy_to(transformer.parameters())
-        scheduler = SAMPLERS[args.validation_sampler].from_config(noise_scheduler.config)
-        if vae is None:  # DiTPipeline always decodes with a VAE: the parts, and the README's few lines sample them
-            transformer.save_pretrained(os.path.join(args.output_dir, "transformer"))
-            scheduler.save_pretrained(os.path.join(args.output_dir, "scheduler"))
-            with open(os.path.join(args.output_dir, "id2label.json"), "w") as f:
-                json.dump(id2label, f, indent=1)
-        else:
-            pipeline = DiTPipeline(transformer=transformer, vae=vae, scheduler=scheduler)
-            pipeline.register_to_config(id2label=id2label)  # DiTPipeline(id2label=...) maps names to labels
-            pipeline.save_pretrained(args.output_dir)
-        if ema_model is not None:
-            ema_model.restore(transformer.parameters())
-    accelerator.wait_for_everyone()
+def save_grid(accelerator, args, images, global_step, nrow):
+    """The images as one grid: output_dir/samples/step-N.png, and in TensorBoard or wandb."""
+    os.makedirs(f"{args.output_dir}/samples", exist_ok=True)
+    grid = f"{args.output_dir}/samples/step-{global_step}.png"
+    torchvision.utils.save_image(images, grid, nrow=nrow)
+    for tracker in accelerator.trackers:  # TensorBoard, wandb, ...
+        tracker.log_images({"samples": images}, step=global_step)
 
 
 if __name__ == "__main__":

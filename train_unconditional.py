@@ -150,15 +150,19 @@ def main(args):
             model_config=model.config,
         )
 
-    # 4. Data: images resized, cropped, flipped, scaled to [-1, 1]; grey for a one-channel UNet
+    # 4. Data: images resized, cropped, flipped, scaled to [-1, 1]
     train_dataset = load_train_dataset(args, args.image_column)
     crop = transforms.CenterCrop if args.center_crop else transforms.RandomCrop
-    flip = transforms.RandomHorizontalFlip(0.5 if args.random_flip else 0.0)
-    to_tensor = [transforms.ToTensor(), transforms.Normalize([0.5], [0.5])]  # [0, 1] -> [-1, 1]
-    augment = transforms.Compose([transforms.Resize(args.resolution), crop(args.resolution), flip])
-    augment = transforms.Compose([augment, *to_tensor])
-    mode = "L" if model.config.in_channels == 1 else "RGB"
-    transform = partial(preprocess, args=args, augment=augment, mode=mode)
+    augment = transforms.Compose(
+        [
+            transforms.Resize(args.resolution),
+            crop(args.resolution),
+            transforms.RandomHorizontalFlip(0.5 if args.random_flip else 0.0),
+            transforms.ToTensor(),
+            transforms.Normalize([0.5], [0.5]),  # [0, 1] -> [-1, 1]
+        ]
+    )
+    transform = partial(preprocess, args=args, augment=augment)
     train_dataloader = torch.utils.data.DataLoader(
         train_dataset,
         batch_size=args.train_batch_size,
@@ -217,9 +221,8 @@ def main(args):
             model = accelerator.unwrap_model(models.pop(), keep_torch_compile=False)
             model.load_state_dict(loaded.state_dict())
         if ema_model is not None:
-            ema_model.load_state_dict(
-                EMAModel.from_pretrained(f"{input_dir}/unet_ema", UNet2DModel).state_dict()
-            )
+            loaded = EMAModel.from_pretrained(f"{input_dir}/unet_ema", UNet2DModel)
+            ema_model.load_state_dict(loaded.state_dict())
             ema_model.to(accelerator.device)
 
     accelerator.register_save_state_pre_hook(save_model_hook)
@@ -322,8 +325,7 @@ def clear_error(flag):
 
 
 def load_train_dataset(args, *columns):
-    """A hub dataset, else an imagefolder (metadata.jsonl: captions, labels), and a "row" column
-    numbering the images, which seeds their random crops and flips."""
+    """A hub dataset or an imagefolder, and a "row" column that seeds each image's crop and flip."""
     if args.dataset_name:
         with clear_error(f"--dataset_name {args.dataset_name}"):
             dataset = datasets.load_dataset(args.dataset_name)["train"]
@@ -347,7 +349,7 @@ def open_image(item):
         raise SystemExit(f"error: image {item['path']} cannot be read: {e}") from None
 
 
-def preprocess(examples, args, augment, mode, epoch):
+def preprocess(examples, args, augment, epoch):
     """Images to tensors. The crop and flip are drawn from a seed of (seed, epoch, row), not from
     the global random stream that ε and t come from: the dataloader reads a batch ahead, which
     would shift that stream at a resume. Module level, so that spawned workers can unpickle it."""
@@ -355,7 +357,7 @@ def preprocess(examples, args, augment, mode, epoch):
     for item, row in zip(examples[args.image_column], examples["row"]):
         with torch.random.fork_rng(devices=[]):
             torch.default_generator.manual_seed(args.seed + (epoch << 40) + row)  # < 2^40 rows
-            pixel_values.append(augment(open_image(item).convert(mode)))
+            pixel_values.append(augment(open_image(item).convert("RGB")))
     return {"pixel_values": pixel_values}
 
 
@@ -430,13 +432,8 @@ def save_grid(accelerator, args, images, global_step):
     os.makedirs(f"{args.output_dir}/samples", exist_ok=True)
     grid = f"{args.output_dir}/samples/step-{global_step}.png"
     torchvision.utils.save_image(images, grid, nrow=math.ceil(math.sqrt(len(images))))
-    for tracker in accelerator.trackers:
-        if tracker.name == "tensorboard":
-            tracker.writer.add_images("samples", images, global_step)
-        elif tracker.name == "wandb":
-            import wandb
-
-            tracker.log({"samples": [wandb.Image(image) for image in images]}, step=global_step)
+    for tracker in accelerator.trackers:  # TensorBoard, wandb, ...
+        tracker.log_images({"samples": images}, step=global_step)
 
 
 if __name__ == "__main__":

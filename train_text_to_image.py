@@ -92,7 +92,7 @@ def parse_args(argv=None):
     )
     p.add_argument("--snr_gamma", type=float, help="Min-SNR-γ weighting; 5.0 is usual.")
     p.add_argument("--noise_offset", type=float, default=0.0, help="e.g. 0.1")
-    p.add_argument("--input_perturbation", type=float, default=0.0, help="e.g. 0.1")
+    p.add_argument("--input_perturbation", type=float, default=0.0)
     p.add_argument("--checkpointing_steps", type=int, default=500)
     p.add_argument("--checkpoints_total_limit", type=int)
     p.add_argument("--resume_from_checkpoint", help='"latest" or a checkpoint-N name.')

@@ -239,7 +239,7 @@ def main(args):
         hparams = {k: v for k, v in vars(args).items() if isinstance(v, (int, float, str))}
         accelerator.init_trackers("train_dit", config=hparams)
 
-    # 7. The training loop: Algorithm 1 of DDPM, with a class each
+    # 7. The training loop: Algorithm 1 of DDPM
     total_batch_size = args.train_batch_size * accelerator.num_processes * accumulation
     logger.info(f"{len(train_dataset)} images, {max_train_steps} steps of {total_batch_size}")
     progress_bar = tqdm(

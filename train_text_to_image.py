@@ -48,13 +48,13 @@ logger = get_logger(__name__)
 
 # 1. Arguments: the Diffusers example's flags and defaults, so its commands run unchanged
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description="Fine-tune the UNet of Stable Diffusion 1.x.")
+    p = argparse.ArgumentParser(description="Fine-tune Stable Diffusion 1.x's UNet.")
     p.add_argument("--pretrained_model_name_or_path", required=True, help="A pipeline folder.")
-    p.add_argument("--variant", help='e.g. "fp16" weights.')
+    p.add_argument("--variant", help='e.g. "fp16"')
     p.add_argument("--dataset_name", help="A hub dataset, or a local dataset folder.")
     p.add_argument("--train_data_dir", help="An imagefolder (if no --dataset_name).")
     p.add_argument("--image_column", default="image")
-    p.add_argument("--caption_column", default="text", help="A caption, or a list of them.")
+    p.add_argument("--caption_column", default="text", help="Captions (or lists).")
     p.add_argument("--caption_extension", default=".txt", help="Else caption files.")
     p.add_argument("--instance_prompt", help="Else one caption for all.")
     p.add_argument("--caption_dropout_rate", type=float, default=0.0, help='Captions -> "".')
@@ -125,10 +125,10 @@ def main(args):
     if accelerator.mixed_precision == "fp16" and accelerator.device.type == "cpu":
         raise SystemExit("error: --mixed_precision fp16 needs a GPU; on a CPU use bf16 or no")
     plugin = accelerator.state.deepspeed_plugin
-    sharded = plugin is not None and plugin.zero_stage == 3  # each process holds a part of θ
+    sharded = plugin is not None and plugin.zero_stage == 3  # each process: a part of θ
     if accelerator.distributed_type == DistributedType.FSDP:
         raise SystemExit("error: launch with DDP or DeepSpeed, not FSDP")
-    if sharded and (args.use_ema or not plugin.zero3_save_16bit_model):  # whole weights needed
+    if sharded and (args.use_ema or not plugin.zero3_save_16bit_model):  # needs θ whole
         raise SystemExit("error: ZeRO-3 needs --zero3_save_16bit_model true and no --use_ema")
     logging.basicConfig(level=logging.INFO)
     if not accelerator.is_main_process:
@@ -141,7 +141,7 @@ def main(args):
             repo = create_repo(os.path.basename(os.path.abspath(args.output_dir)), exist_ok=True)
 
     # 3. Models: the base pipeline's noise schedule, tokenizer, text encoder, VAE and UNet
-    path, load = args.pretrained_model_name_or_path, dict(variant=args.variant)  # e.g. "fp16"
+    path, load = args.pretrained_model_name_or_path, dict(variant=args.variant)
     with clear_error(f"--pretrained_model_name_or_path {path}"):
         noise_scheduler = DDPMScheduler.from_pretrained(path, subfolder="scheduler")
         tokenizer = CLIPTokenizer.from_pretrained(path, subfolder="tokenizer")
@@ -153,8 +153,8 @@ def main(args):
         model = UNet2DConditionModel.from_pretrained(path, subfolder="unet", **load)
     if args.prediction_type is not None:  # ε or v, as the saved scheduler will say
         noise_scheduler.register_to_config(prediction_type=args.prediction_type)
-    # Only the UNet learns: the frozen models run in the mixed-precision dtype, the UNet keeps
-    # fp32 weights for the optimizer, and autocast (or DeepSpeed) runs it in that dtype
+    # Only the UNet learns: it keeps fp32 weights for the optimizer, run by autocast (or
+    # DeepSpeed) in the mixed-precision dtype, the frozen models' dtype
     dtypes = {"fp16": torch.float16, "bf16": torch.bfloat16}
     weight_dtype = dtypes.get(accelerator.mixed_precision, torch.float32)
     vae.requires_grad_(False).to(accelerator.device, dtype=weight_dtype)
@@ -238,7 +238,7 @@ def main(args):
     set_seed(args.seed, device_specific=True)
 
     # 6. Checkpoint hooks and resume. save_state stores the optimizer, LR schedule and the RNG
-    #    states of every process; the hooks store the UNet (and EMA) as `from_pretrained`
+    #    states of every process; the hooks store the model (and EMA) as `from_pretrained`
     #    folders, as the Diffusers examples do. DeepSpeed stores its model itself.
     def save_model_hook(models, weights, output_dir):
         if accelerator.is_main_process and weights:
@@ -345,10 +345,9 @@ def main(args):
         last_epoch = epoch == num_epochs - 1 or global_step >= max_train_steps
         validate = args.validation_prompts and (epoch % args.validation_epochs == 0 or last_epoch)
         if validate and (accelerator.is_main_process or sharded):
-            frozen = dict(vae=vae, text_encoder=text_encoder, tokenizer=tokenizer)
-            log_validation(
-                accelerator, args, model, ema_model, noise_scheduler, frozen, global_step
-            )
+            sampler = DPMSolverMultistepScheduler.from_config(noise_scheduler.config)
+            parts = dict(vae=vae, text_encoder=text_encoder, tokenizer=tokenizer, scheduler=sampler)
+            log_validation(accelerator, args, model, ema_model, parts, global_step)
         if last_epoch:
             break
 
@@ -498,32 +497,37 @@ def resume_from_checkpoint(accelerator, args):
         return int(path.rsplit("-", 1)[1])
 
 
-def log_validation(accelerator, args, model, ema_model, noise_scheduler, frozen, global_step):
+def log_validation(accelerator, args, model, ema_model, parts, global_step):
     unet = accelerator.unwrap_model(model)
     unet.eval()  # no dropout while sampling
     if ema_model is not None:  # sample with the EMA weights, then put the trained ones back
         ema_model.store(unet.parameters())
         ema_model.copy_to(unet.parameters())
     # from the modules in memory (no second VAE or text encoder); the trained UNet never cast
-    scheduler = DPMSolverMultistepScheduler.from_config(noise_scheduler.config)
     none = dict(safety_checker=None, feature_extractor=None, requires_safety_checker=False)
-    pipeline = StableDiffusionPipeline(**frozen, unet=unet, scheduler=scheduler, **none)
+    pipeline = StableDiffusionPipeline(**parts, unet=unet, **none)
     pipeline.set_progress_bar_config(disable=True)
-    with accelerator.autocast():
-        images = pipeline(
-            args.validation_prompts,
-            height=args.resolution,
-            width=args.resolution,
-            num_inference_steps=args.num_inference_steps,
-            guidance_scale=args.guidance_scale,
-            generator=torch.Generator().manual_seed(0),  # the same noise each time: progress shows
-            output_type="pt",
-        ).images.float()
+    images = generate(accelerator, args, pipeline)
     if ema_model is not None:
         ema_model.restore(unet.parameters())
     unet.train()
     if accelerator.is_main_process:
         save_grid(accelerator, args, images, global_step, nrow=len(images))
+
+
+def generate(accelerator, args, pipeline, **kwargs):
+    """The validation images, from the same noise each time."""
+    with accelerator.autocast():
+        return pipeline(
+            args.validation_prompts,
+            height=args.resolution,
+            width=args.resolution,
+            num_inference_steps=args.num_inference_steps,
+            guidance_scale=args.guidance_scale,
+            generator=torch.Generator().manual_seed(0),
+            output_type="pt",
+            **kwargs,
+        ).images.float()
 
 
 def save_grid(accelerator, args, images, global_step, nrow):

@@ -63,10 +63,6 @@ def parse_args(argv=None):
     p.add_argument("--learning_rate", type=float, default=1e-4)
     p.add_argument("--lr_scheduler", default="cosine")
     p.add_argument("--lr_warmup_steps", type=int, default=500)
-    p.add_argument("--adam_beta1", type=float, default=0.95)
-    p.add_argument("--adam_beta2", type=float, default=0.999)
-    p.add_argument("--adam_weight_decay", type=float, default=1e-6)
-    p.add_argument("--adam_epsilon", type=float, default=1e-08)
     p.add_argument("--use_8bit_adam", action="store_true", help="bitsandbytes (GPU).")
     p.add_argument("--max_grad_norm", type=float, default=1.0)
     p.add_argument("--use_ema", action="store_true")
@@ -121,6 +117,8 @@ def main(args):
             repo = create_repo(os.path.basename(os.path.abspath(args.output_dir)), exist_ok=True)
 
     # 3. Models: the UNet ε_θ, and the noise schedule β_1..β_T of the forward process
+    dtypes = {"fp16": torch.float16, "bf16": torch.bfloat16}
+    weight_dtype = dtypes.get(accelerator.mixed_precision, torch.float32)
     if args.model_config_name_or_path:
         with clear_error(f"--model_config_name_or_path {args.model_config_name_or_path}"):
             model = UNet2DModel.from_config(UNet2DModel.load_config(args.model_config_name_or_path))
@@ -141,13 +139,9 @@ def main(args):
     )
     ema_model = None
     if args.use_ema:  # the decay warms up as 1 - (1 + step)^-3/4, to --ema_max_decay
+        decay = dict(decay=args.ema_max_decay, use_ema_warmup=True, power=3 / 4)
         ema_model = EMAModel(
-            model.parameters(),
-            decay=args.ema_max_decay,
-            use_ema_warmup=True,
-            power=3 / 4,
-            model_cls=UNet2DModel,
-            model_config=model.config,
+            model.parameters(), **decay, model_cls=type(model), model_config=model.config
         )
 
     # 4. Data: images resized, cropped, flipped, scaled to [-1, 1]
@@ -177,12 +171,9 @@ def main(args):
         import bitsandbytes
 
         optimizer_class = bitsandbytes.optim.AdamW8bit
+    # the Diffusers example's AdamW: β = (0.95, 0.999), a little weight decay
     optimizer = optimizer_class(
-        model.parameters(),
-        lr=args.learning_rate,
-        betas=(args.adam_beta1, args.adam_beta2),
-        weight_decay=args.adam_weight_decay,
-        eps=args.adam_epsilon,
+        model.parameters(), lr=args.learning_rate, betas=(0.95, 0.999), weight_decay=1e-6
     )
     accumulation = args.gradient_accumulation_steps
     steps_per_epoch = math.ceil(len(train_dataloader) / accelerator.num_processes / accumulation)
@@ -201,11 +192,9 @@ def main(args):
         ema_model.to(accelerator.device)
     # each process draws its own ε and t (the Diffusers examples draw the same ones on every GPU)
     set_seed(args.seed, device_specific=True)
-    dtypes = {"fp16": torch.float16, "bf16": torch.bfloat16}
-    weight_dtype = dtypes.get(accelerator.mixed_precision, torch.float32)
 
     # 6. Checkpoint hooks and resume. save_state stores the optimizer, LR schedule and the RNG
-    #    states of every process; the hooks store the UNet (and EMA) as `from_pretrained`
+    #    states of every process; the hooks store the model (and EMA) as `from_pretrained`
     #    folders, as the Diffusers examples do. DeepSpeed stores its model itself.
     def save_model_hook(models, weights, output_dir):
         if accelerator.is_main_process and weights:
@@ -253,7 +242,8 @@ def main(args):
                 clean_images = batch["pixel_values"]  # x_0 ~ q(x_0)
                 noise = torch.randn_like(clean_images)  # ε ~ N(0, I)
                 bsz, device = len(clean_images), clean_images.device
-                timesteps = torch.randint(0, args.ddpm_num_steps, (bsz,), device=device)  # t
+                T = noise_scheduler.config.num_train_timesteps  # t ~ U{0, ..., T-1}:
+                timesteps = torch.randint(0, T, (bsz,), device=device)
                 # the forward process in closed form: x_t = √ᾱ_t·x_0 + √(1-ᾱ_t)·ε
                 noisy_images = noise_scheduler.add_noise(clean_images, noise, timesteps)
                 if args.prediction_type == "epsilon":
@@ -353,12 +343,13 @@ def preprocess(examples, args, augment, epoch):
     """Images to tensors. The crop and flip are drawn from a seed of (seed, epoch, row), not from
     the global random stream that ε and t come from: the dataloader reads a batch ahead, which
     would shift that stream at a resume. Module level, so that spawned workers can unpickle it."""
-    pixel_values = []
-    for item, row in zip(examples[args.image_column], examples["row"]):
+    batch = {"pixel_values": []}
+    for i, row in enumerate(examples["row"]):
         with torch.random.fork_rng(devices=[]):
             torch.default_generator.manual_seed(args.seed + (epoch << 40) + row)  # < 2^40 rows
-            pixel_values.append(augment(open_image(item).convert("RGB")))
-    return {"pixel_values": pixel_values}
+            pixels = augment(open_image(examples[args.image_column][i]).convert("RGB"))
+            batch["pixel_values"].append(pixels)
+    return batch
 
 
 def min_snr_weights(noise_scheduler, timesteps, snr_gamma):
@@ -424,14 +415,14 @@ def log_validation(accelerator, args, model, ema_model, noise_scheduler, global_
     if ema_model is not None:
         ema_model.restore(unet.parameters())
     unet.train()
-    save_grid(accelerator, args, images, global_step)
+    save_grid(accelerator, args, images, global_step, nrow=math.ceil(len(images) ** 0.5))
 
 
-def save_grid(accelerator, args, images, global_step):
+def save_grid(accelerator, args, images, global_step, nrow):
     """The images as one grid: output_dir/samples/step-N.png, and in TensorBoard or wandb."""
     os.makedirs(f"{args.output_dir}/samples", exist_ok=True)
     grid = f"{args.output_dir}/samples/step-{global_step}.png"
-    torchvision.utils.save_image(images, grid, nrow=math.ceil(math.sqrt(len(images))))
+    torchvision.utils.save_image(images, grid, nrow=nrow)
     for tracker in accelerator.trackers:  # TensorBoard, wandb, ...
         tracker.log_images({"samples": images}, step=global_step)
 

@@ -32,7 +32,7 @@ def parse_args(argv=None):
     p.add_argument("--plain", action="store_true", help="Plain PyTorch.")
     p.add_argument("--output_dir", default="toy-linear")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--train_batch_size", type=int, default=32, help="Per device.")
+    p.add_argument("--train_batch_size", type=int, default=32)
     p.add_argument("--num_train_epochs", type=int, default=20)
     p.add_argument("--max_train_steps", type=int, help="Overrides --num_train_epochs.")
     p.add_argument("--gradient_accumulation_steps", type=int, default=1)

@@ -39,7 +39,7 @@ def test_resume_mid_epoch_matches_uninterrupted_run(reference, tmp_path):
     (tmp_path / "resumed").mkdir()
     shutil.copytree(out / "checkpoint-300", tmp_path / "resumed" / "checkpoint-300")
     w_resumed, log = train(tmp_path / "resumed", "--resume_from_checkpoint", "latest")
-    assert "Resuming from" in log and "checkpoint-300" in log
+    assert "Resumed from" in log and "checkpoint-300" in log
     torch.testing.assert_close(w_resumed, w, rtol=1e-6, atol=1e-7)
 
 
@@ -57,14 +57,10 @@ def test_gradient_accumulation_matches_full_batch(reference, tmp_path):
 
 def test_checkpoint_rotation_and_missing_resume(tmp_path):
     out = tmp_path / "rot"
-    _, log = train(out, "--max_train_steps", "60", "--checkpointing_steps", "10", "--checkpoints_total_limit", "2",
-                   "--resume_from_checkpoint", "latest")
-    assert "No checkpoint in" in log and "starting a new run" in log
-    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-50", "checkpoint-60"]
+    # `latest` with none yet starts afresh; rotation keeps the last two; no temporary folder stays
+    train(out, "--max_train_steps", "60", "--checkpointing_steps", "10", "--checkpoints_total_limit", "2",
+          "--resume_from_checkpoint", "latest")
+    assert sorted(p.name for p in out.iterdir() if "checkpoint" in p.name) == ["checkpoint-50", "checkpoint-60"]
+    # a named checkpoint that is missing is one clear error (starting afresh would rotate the others away)
     log = run_script("toy_linear.py", ["--output_dir", out, "--resume_from_checkpoint", "checkpoint-999"], expect_fail=True)
-    assert "checkpoint-999 does not exist" in log
-
-
-def test_fp16_on_cpu_is_a_clear_error(tmp_path):
-    log = run_script("toy_linear.py", ["--output_dir", tmp_path, "--mixed_precision", "fp16"], expect_fail=True)
-    assert "--mixed_precision fp16 needs a GPU" in log
+    assert f"error: --resume_from_checkpoint {out}/checkpoint-999: " in log

@@ -1,0 +1,88 @@
+"""The scripts' form, which the lesson depends on: size budgets, line width, `ruff format`, the nine
+sections in order, standalone imports, sibling scripts that differ only in substance."""
+
+import ast
+import importlib.util
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+from conftest import REPO
+
+BUDGETS = {  # characters (len of the text): issue #21
+    "toy_linear.py": 10_000,
+    "train_unconditional.py": 23_000,
+    "train_dit.py": 29_000,
+    "train_text_to_image.py": 30_000,
+    "train_lora.py": 34_000,
+}
+SIBLINGS = [  # (script, its parallel text, at most this many changed lines in `diff`)
+    ("train_unconditional.py", "train_dit.py", 250),
+    ("train_text_to_image.py", "train_lora.py", 200),
+]
+SECTIONS = ["1. Arguments", "2. Accelerator", "3. Model", "4. Data", "5. Optimizer", "6. ", "7. The training loop",
+            "8. Validation", "9. Final save"]
+
+
+@pytest.mark.parametrize("script", BUDGETS)
+def test_size_and_line_width(script):
+    text = (REPO / script).read_text()
+    assert len(text) <= BUDGETS[script]
+    wide = [i + 1 for i, line in enumerate(text.splitlines()) if len(line) > 100]
+    assert not wide, f"lines over 100 columns: {wide}"
+
+
+def test_ruff_format_leaves_the_scripts_unchanged():
+    ruff = shutil.which("ruff", path=str(REPO / ".venv" / "bin")) or shutil.which("ruff")
+    assert ruff, "ruff is in requirements.txt"
+    result = subprocess.run([ruff, "format", "--check", "--line-length", "100", *BUDGETS], cwd=REPO,
+                            capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("script", BUDGETS)
+def test_nine_sections_in_order(script):
+    text = (REPO / script).read_text()
+    positions = [text.find(f"# {section}") for section in SECTIONS]
+    assert -1 not in positions, [s for s, p in zip(SECTIONS, positions) if p == -1]
+    assert positions == sorted(positions)
+
+
+@pytest.mark.parametrize("script", BUDGETS)
+def test_standalone_imports_only_installed_packages(script):
+    tree = ast.parse((REPO / script).read_text())
+    modules = {alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+    modules |= {node.module.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+    local = {path.stem for path in REPO.glob("*.py")} | {p.name for p in REPO.iterdir() if p.is_dir()}
+    assert not modules & local
+    for module in modules:  # each resolves, and outside the repository
+        spec = importlib.util.find_spec(module)
+        origin = Path(spec.origin or "")
+        assert REPO not in origin.parents or "site-packages" in origin.parts, module
+
+
+@pytest.mark.parametrize("script, sibling, limit", SIBLINGS)
+def test_siblings_differ_only_in_substance(script, sibling, limit):
+    diff = subprocess.run(["diff", script, sibling], cwd=REPO, capture_output=True, text=True).stdout
+    assert len(re.findall(r"^[<>]", diff, re.M)) <= limit  # as `diff a b | grep -c '^[<>]'` counts
+
+
+def test_shared_helpers_are_word_for_word():
+    """A fix to the skeleton goes into every script: the shared helpers are identical texts."""
+    def functions(script):
+        tree = ast.parse(text := (REPO / script).read_text())
+        return {node.name: ast.get_source_segment(text, node) for node in tree.body if isinstance(node, ast.FunctionDef)}
+
+    found = {script: functions(script) for script in BUDGETS}
+    for name in ["clear_error", "list_checkpoints", "load_train_dataset", "open_image", "min_snr_weights", "save_grid"]:
+        texts = {script: fns[name] for script, fns in found.items() if name in fns}
+        assert len(texts) >= 4 or name in ("clear_error", "list_checkpoints"), name
+        assert len(set(texts.values())) == 1, f"{name} differs between {sorted(texts)}"
+
+
+def test_the_readme_test_command_is_the_one_ci_runs():
+    command = ".venv/bin/python -m pytest -q tests"
+    assert command in (REPO / "README.md").read_text()
+    assert (REPO / ".ci" / "run").read_text().strip().splitlines()[-1] == command

@@ -1,11 +1,11 @@
 #!/usr/bin/env python
-"""toy_linear.py: the training loop, on the smallest model there is: y = w·x, true w = [2, 3, 4, 7].
+"""toy_linear.py: the training loop on the smallest model there is: y = w·x, true w = [2, 3, 4, 7].
 
 `train_plain` is the loop in plain PyTorch; `main` is the same loop under 🤗 Accelerate, in the
 nine numbered sections of every diffusion script here: the bare skeleton, nothing in the way.
 
     python toy_linear.py --plain                        # plain PyTorch
-    python toy_linear.py                                # the same loop under Accelerate
+    python toy_linear.py                                # the loop under Accelerate
     accelerate launch --num_processes 2 toy_linear.py   # data-parallel: the same w again
 """
 
@@ -159,7 +159,7 @@ def clear_error(flag):
     try:
         yield
     except Exception as e:
-        raise SystemExit(f"error: {flag}: {type(e).__name__}: {e}") from None
+        raise SystemExit(f"error: {flag}: {type(e).__name__}: {' '.join(str(e).split())}") from None
 
 
 def list_checkpoints(output_dir):

@@ -343,7 +343,7 @@ def clear_error(flag):
     try:
         yield
     except Exception as e:
-        raise SystemExit(f"error: {flag}: {type(e).__name__}: {e}") from None
+        raise SystemExit(f"error: {flag}: {type(e).__name__}: {' '.join(str(e).split())}") from None
 
 
 def load_train_dataset(args, *columns):

@@ -59,7 +59,7 @@ def parse_args(argv=None):
     p.add_argument("--caption_column", default="text", help="Captions (or lists).")
     p.add_argument("--caption_extension", default=".txt", help="Else caption files.")
     p.add_argument("--instance_prompt", help="Else one caption for all.")
-    p.add_argument("--caption_dropout_rate", type=float, default=0.0, help='Captions -> "".')
+    p.add_argument("--caption_dropout_rate", type=float, default=0.0)
     p.add_argument("--validation_prompts", "--validation_prompt", nargs="+")
     p.add_argument("--num_validation_images", type=int, default=4, help="Per prompt.")
     p.add_argument("--validation_epochs", type=int, default=1)
@@ -98,7 +98,7 @@ def parse_args(argv=None):
         "--prediction_type", choices=["epsilon", "v_prediction"], help="Else the base's."
     )
     p.add_argument("--snr_gamma", type=float, help="Min-SNR-γ weighting; 5.0 is usual.")
-    p.add_argument("--noise_offset", type=float, default=0.0, help="e.g. 0.1")
+    p.add_argument("--noise_offset", type=float, default=0.0)
     p.add_argument("--checkpointing_steps", type=int, default=500)
     p.add_argument("--checkpoints_total_limit", type=int)
     p.add_argument("--resume_from_checkpoint", help='"latest" or a checkpoint-N name.')
@@ -385,7 +385,7 @@ def clear_error(flag):
     try:
         yield
     except Exception as e:
-        raise SystemExit(f"error: {flag}: {type(e).__name__}: {e}") from None
+        raise SystemExit(f"error: {flag}: {type(e).__name__}: {' '.join(str(e).split())}") from None
 
 
 def load_train_dataset(args, *columns):

@@ -5,7 +5,7 @@
 nine numbered sections of every diffusion script here: the bare skeleton, nothing in the way.
 
     python toy_linear.py --plain                        # plain PyTorch
-    python toy_linear.py                                # the loop under Accelerate
+    python toy_linear.py                                # under Accelerate
     accelerate launch --num_processes 2 toy_linear.py   # data-parallel: the same w again
 """
 

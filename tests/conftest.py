@@ -117,6 +117,18 @@ def run_in_process(monkeypatch, capsys):
     return run
 
 
+def train_in_process(script, args):
+    """Run a script's main() to its end in this process: a one-process run without the ten
+    seconds of imports a launched one spends."""
+    from accelerate.state import AcceleratorState
+
+    module = import_script(Path(script).stem)
+    try:
+        module.main(module.parse_args([str(a) for a in args]))
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)  # the next run builds its own
+
+
 def import_script(name):
     """A training script as a module, for its helpers."""
     sys.path.insert(0, str(REPO))

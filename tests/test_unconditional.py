@@ -6,7 +6,7 @@ import shutil
 import pytest
 import torch
 from conftest import (REPO, assert_same_optimizer_state, assert_same_weights, checkpoints, import_script,
-                      resume_copy, run_script, weights, zero)
+                      resume_copy, run_script, train_in_process, weights, zero)
 
 SCRIPT = "train_unconditional.py"
 
@@ -25,7 +25,7 @@ def common(digits_folder, tiny_unet_config):
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory, common):
     out = tmp_path_factory.mktemp("uncond") / "ref"
-    run_script(SCRIPT, common + ["--train_batch_size", "4", "--output_dir", out])
+    train_in_process(SCRIPT, common + ["--train_batch_size", "4", "--output_dir", out])
     return out
 
 
@@ -35,11 +35,12 @@ def assert_same_run(out, reference):
     assert_same_optimizer_state(out / "checkpoint-6", reference / "checkpoint-6")
 
 
-def test_resume_is_exact_and_skips_a_half_written_checkpoint(reference, common):
+def test_resume_is_exact_and_skips_a_half_written_checkpoint(reference, common, caplog):
+    caplog.set_level("INFO")
     out = resume_copy(reference, "checkpoint-4")
     (out / "tmp-checkpoint-5" / "unet").mkdir(parents=True)  # a save that died halfway
-    log = run_script(SCRIPT, common + ["--train_batch_size", "4", "--output_dir", out, "--resume_from_checkpoint", "latest"])
-    assert f"Resumed from {out}/checkpoint-4" in log
+    train_in_process(SCRIPT, common + ["--train_batch_size", "4", "--output_dir", out, "--resume_from_checkpoint", "latest"])
+    assert f"Resumed from {out}/checkpoint-4" in caplog.text
     assert_same_run(out, reference)
 
 
@@ -64,8 +65,22 @@ def test_checkpoint_contract_and_the_pipeline_users_load(reference):
 
 @pytest.fixture(scope="module")
 def two_processes(tmp_path_factory, common):
+    """A run on 2 processes, each recording the noise ε it draws."""
     out = tmp_path_factory.mktemp("uncond2") / "ref"
-    run_script(SCRIPT, common + ["--train_batch_size", "2", "--output_dir", out], num_processes=2)
+    launcher = out.parent / "record_noise.py"
+    launcher.write_text(
+        "import os, sys, torch\n"
+        f"sys.path.insert(0, {str(REPO)!r})\n"
+        "import train_unconditional as script\n"
+        "randn_like = torch.randn_like\n"
+        "def record(x):\n"
+        "    noise = randn_like(x)\n"
+        f"    torch.save(noise, {str(out.parent)!r} + f'/noise-{{os.environ[\"RANK\"]}}.pt')\n"
+        "    return noise\n"
+        "torch.randn_like = record\n"
+        "script.main(script.parse_args())\n"
+    )
+    run_script(launcher, common + ["--train_batch_size", "2", "--output_dir", out], num_processes=2)
     return out
 
 
@@ -74,6 +89,12 @@ def test_resume_on_two_processes_is_exact(two_processes, common):
     run_script(SCRIPT, common + ["--train_batch_size", "2", "--output_dir", out, "--resume_from_checkpoint", "latest"],
                num_processes=2)
     assert_same_run(out, two_processes)
+
+
+def test_each_process_draws_its_own_noise(two_processes):
+    """The Diffusers examples seed every process alike, so every GPU adds the same ε to its images."""
+    noise = [torch.load(two_processes.parent / f"noise-{rank}.pt") for rank in (0, 1)]
+    assert noise[0].shape == noise[1].shape and not torch.equal(*noise)
 
 
 def test_deepspeed_zero2_resumes_exactly(common, tmp_path):
@@ -86,35 +107,19 @@ def test_deepspeed_zero2_resumes_exactly(common, tmp_path):
     assert_same_weights(weights(resumed / "unet"), weights(out / "unet"))
 
 
-def test_each_process_draws_its_own_noise(common, tmp_path):
-    """The Diffusers examples seed every process alike, so every GPU adds the same ε to its images."""
-    launcher = tmp_path / "record_noise.py"
-    launcher.write_text(
-        "import os, sys, torch\n"
-        f"sys.path.insert(0, {str(REPO)!r})\n"
-        "import train_unconditional as script\n"
-        "randn_like = torch.randn_like\n"
-        "def record(x):\n"
-        "    noise = randn_like(x)\n"
-        f"    torch.save(noise, {str(tmp_path)!r} + f'/noise-{{os.environ[\"RANK\"]}}.pt')\n"
-        "    return noise\n"
-        "torch.randn_like = record\n"
-        "script.main(script.parse_args())\n"
-    )
-    run_script(launcher, common + ["--train_batch_size", "2", "--output_dir", tmp_path / "out", "--max_train_steps", "1"],
-               num_processes=2)
-    noise = [torch.load(tmp_path / f"noise-{rank}.pt") for rank in (0, 1)]
-    assert not torch.equal(*noise)
-
-
 def test_spawned_dataloader_workers_train_the_same_weights(reference, common, tmp_path):
-    site = tmp_path / "site"  # every process starts its workers with spawn, as on macOS and Windows
-    site.mkdir()
-    (site / "sitecustomize.py").write_text("import multiprocessing\nmultiprocessing.set_start_method('spawn', force=True)\n")
+    """Workers started by spawn (as on macOS and Windows) unpickle the transform; the batches are
+    the same, and so is every random draw."""
+    import multiprocessing
+
     out = tmp_path / "workers"
-    run_script(SCRIPT, common + ["--train_batch_size", "4", "--output_dir", out, "--dataloader_num_workers", "2"],
-               env={"PYTHONPATH": str(site)})
-    assert_same_weights(weights(out / "checkpoint-4" / "unet"), weights(reference / "checkpoint-4" / "unet"))
+    method = multiprocessing.get_start_method()
+    multiprocessing.set_start_method("spawn", force=True)
+    try:
+        train_in_process(SCRIPT, common + ["--train_batch_size", "4", "--output_dir", out, "--dataloader_num_workers", "1"])
+    finally:
+        multiprocessing.set_start_method(method, force=True)
+    assert_same_run(out, reference)
 
 
 def test_min_snr_weights():

@@ -171,7 +171,7 @@ def main(args):
                 batched=True,
                 batch_size=args.train_batch_size,
                 remove_columns=args.image_column,
-                new_fingerprint=Hasher.hash(key),  # a second run reads the same files
+                new_fingerprint=Hasher.hash(key),
             )
     shape = (2 * model.config.in_channels, *[model.config.sample_size] * 2)  # latent μ and log σ²
     transform = partial(preprocess, args=args, augment=augment, shape=shape)
@@ -325,11 +325,10 @@ def main(args):
             ema_model.copy_to(transformer.parameters())
         if vae is not None:  # as on disk, not in the mixed-precision dtype
             vae = AutoencoderKL.from_pretrained(path)
-        scheduler = DDIMScheduler.from_config(noise_scheduler.config)  # the training βs
+        scheduler = DDIMScheduler.from_config(noise_scheduler.config)
         pipeline = DiTPipeline(transformer=transformer, vae=vae, scheduler=scheduler)
         pipeline.register_to_config(id2label={i: str(name) for i, name in enumerate(names)})
         pipeline.save_pretrained(args.output_dir)
-        logger.info(f"Saved to {args.output_dir}")
         if args.push_to_hub:
             upload_folder(
                 repo_id=repo.repo_id, folder_path=args.output_dir, ignore_patterns="*checkpoint*"
@@ -377,7 +376,8 @@ def preprocess(examples, args, augment, shape, epoch):
     batch = {"class_labels": examples[args.label_column], "pixel_values": [], "latent_moments": []}
     for i, row in enumerate(examples["row"]):
         with torch.random.fork_rng(devices=[]):
-            torch.default_generator.manual_seed(args.seed + (epoch << 40) + row)  # < 2^40 rows
+            seed = (args.seed * 1_000_003 + epoch) * 1_000_003 + row  # one per image and epoch
+            torch.default_generator.manual_seed(seed % 2**32)  # torch keeps 32 bits of a seed
             flip = torch.rand(()) < (0.5 if args.random_flip else 0.0)
             if args.cache_latents:  # the moments of both sides are cached: pick one
                 data = bytearray(examples["latent_moments"][i])

@@ -51,7 +51,7 @@ logger = get_logger(__name__)
 # 1. Arguments: the Diffusers example's flags and defaults, so its commands run unchanged
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description="Train a LoRA for Stable Diffusion 1.x.")
-    p.add_argument("--pretrained_model_name_or_path", required=True, help="A pipeline folder.")
+    p.add_argument("--pretrained_model_name_or_path", required=True)
     p.add_argument("--variant", help='e.g. "fp16"')
     p.add_argument("--dataset_name", help="A hub dataset, or a local dataset folder.")
     p.add_argument("--train_data_dir", help="An imagefolder (if no --dataset_name).")
@@ -94,9 +94,7 @@ def parse_args(argv=None):
     p.add_argument("--report_to", default="tensorboard", help="tensorboard, wandb or none.")
     p.add_argument("--mixed_precision", choices=["no", "fp16", "bf16"])
     p.add_argument("--allow_tf32", action="store_true", help="Faster fp32 on Ampere+.")
-    p.add_argument(
-        "--prediction_type", choices=["epsilon", "v_prediction"], help="Else the base's."
-    )
+    p.add_argument("--prediction_type", choices=["epsilon", "v_prediction"])
     p.add_argument("--snr_gamma", type=float, help="Min-SNR-γ weighting; 5.0 is usual.")
     p.add_argument("--noise_offset", type=float, default=0.0)
     p.add_argument("--checkpointing_steps", type=int, default=500)
@@ -317,7 +315,7 @@ def main(args):
                 else:  # v = √ᾱ_t·ε - √(1-ᾱ_t)·z_0 (Salimans & Ho 2022)
                     target = noise_scheduler.get_velocity(latents, noise, timesteps)
                 # ε_θ(z_t, t, c), in the mixed-precision dtype (DeepSpeed's model holds it)
-                noisy_latents = noisy_latents.to(weight_dtype)  # (c is already)
+                noisy_latents = noisy_latents.to(weight_dtype)
                 model_output = model(noisy_latents, timesteps, encoder_hidden_states).sample
                 # ‖ε - ε_θ(z_t, t, c)‖², a value per image so that Min-SNR-γ can weight it
                 loss = F.mse_loss(model_output.float(), target.float(), reduction="none")
@@ -424,7 +422,8 @@ def preprocess(examples, args, augment, tokenizer, shape, epoch):
     batch, captions = {"pixel_values": [], "latent_moments": []}, []
     for i, row in enumerate(examples["row"]):
         with torch.random.fork_rng(devices=[]):
-            torch.default_generator.manual_seed(args.seed + (epoch << 40) + row)  # < 2^40 rows
+            seed = (args.seed * 1_000_003 + epoch) * 1_000_003 + row  # one per image and epoch
+            torch.default_generator.manual_seed(seed % 2**32)  # torch keeps 32 bits of a seed
             flip = torch.rand(()) < (0.5 if args.random_flip else 0.0)
             if args.cache_latents:  # the moments of both sides are cached: pick one
                 data = bytearray(examples["latent_moments"][i])

@@ -346,7 +346,8 @@ def preprocess(examples, args, augment, epoch):
     batch = {"pixel_values": []}
     for i, row in enumerate(examples["row"]):
         with torch.random.fork_rng(devices=[]):
-            torch.default_generator.manual_seed(args.seed + (epoch << 40) + row)  # < 2^40 rows
+            seed = (args.seed * 1_000_003 + epoch) * 1_000_003 + row  # one per image and epoch
+            torch.default_generator.manual_seed(seed % 2**32)  # torch keeps 32 bits of a seed
             pixels = augment(open_image(examples[args.image_column][i]).convert("RGB"))
             batch["pixel_values"].append(pixels)
     return batch

@@ -161,7 +161,8 @@ def main(args):
         frozen.requires_grad_(False).to(accelerator.device, dtype=weight_dtype)
     # LoRA: A Gaussian, B zero (so W' = W at first), as the Diffusers example sets them up
     lora = dict(r=args.rank, lora_alpha=args.lora_alpha, init_lora_weights="gaussian")
-    model.add_adapter(LoraConfig(**lora, target_modules=args.lora_target_modules.split(",")))
+    with clear_error(f"--lora_target_modules {args.lora_target_modules}"):
+        model.add_adapter(LoraConfig(**lora, target_modules=args.lora_target_modules.split(",")))
     if args.train_text_encoder:  # on CLIP's attention projections
         targets = ["q_proj", "k_proj", "v_proj", "out_proj"]
         text_encoder.add_adapter(LoraConfig(**lora, target_modules=targets))
@@ -369,7 +370,7 @@ def main(args):
         unet, text_encoder = accelerator.unwrap_model(model), accelerator.unwrap_model(text_encoder)
         save_lora(args.output_dir, unet, text_encoder if args.train_text_encoder else None)
         save_kohya(args, unet, text_encoder if args.train_text_encoder else None)
-        logger.info(f"Saved the LoRA to {args.output_dir}")
+        logger.info(f"Saved to {args.output_dir}")
         if args.push_to_hub:
             upload_folder(
                 repo_id=repo.repo_id, folder_path=args.output_dir, ignore_patterns="*checkpoint*"

@@ -363,7 +363,7 @@ def main(args):
             prediction_type=noise_scheduler.config.prediction_type
         )
         pipeline.save_pretrained(args.output_dir)
-        logger.info(f"Saved the pipeline to {args.output_dir}")
+        logger.info(f"Saved to {args.output_dir}")
         if args.push_to_hub:
             upload_folder(
                 repo_id=repo.repo_id, folder_path=args.output_dir, ignore_patterns="*checkpoint*"

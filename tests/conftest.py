@@ -335,9 +335,9 @@ def assert_same_optimizer_state(checkpoint, reference_checkpoint):
             assert torch.equal(opt["state"][i][name], state[name])
 
 
-def resume_copy(out, checkpoint):
+def resume_copy(out, checkpoint, resumed=None):
     """A new output_dir holding `checkpoint` of `out` alone: as if the run had died after it."""
-    resumed = out.with_name(out.name + "-resumed")
+    resumed = resumed or out.with_name(out.name + "-resumed")
     shutil.copytree(out / checkpoint, resumed / checkpoint)
     return resumed
 

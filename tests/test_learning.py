@@ -17,8 +17,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 FULL = os.environ.get("FULL_RUNS") == "1"
 DEMO = ["--train_data_dir", REPO / "data" / "digits", "--resolution", "16", "--model_config_name_or_path",
         REPO / "configs" / "unet-digits", "--train_batch_size", "16", "--learning_rate", "1e-3", "--lr_warmup_steps", "100",
-        "--use_ema", "--ema_max_decay", "0.999", "--seed", "0", "--validation_sampler", "ddim",
-        "--validation_inference_steps", "50", "--eval_batch_size", "64"]
+        "--use_ema", "--ema_max_decay", "0.999", "--seed", "0", "--ddpm_num_inference_steps", "100", "--eval_batch_size", "64"]
 SAMPLES = 200  # judged per model, drawn with DDIM in 50 steps (as the demo's grids)
 
 
@@ -60,7 +59,8 @@ def test_unconditional_learns_digits(tmp_path):
     from diffusers import DDIMPipeline, DDIMScheduler, DDPMPipeline, UNet2DModel
 
     out = tmp_path / "demo"
-    steps = ["--num_epochs", "60", "--save_images_epochs", "20"] if FULL else ["--max_train_steps", "40", "--lr_warmup_steps", "10"]
+    steps = ["--num_epochs", "60", "--save_images_epochs", "20"] if FULL else \
+        ["--max_train_steps", "40", "--lr_warmup_steps", "10", "--ddpm_num_inference_steps", "5", "--eval_batch_size", "4"]
     start = time.perf_counter()
     run_script(REPO / "train_unconditional.py", DEMO + steps + ["--output_dir", out], env={"OMP_NUM_THREADS": str(os.cpu_count())})
     print(f"\ntrained in {time.perf_counter() - start:.0f} s (validation grids and saves included)")

@@ -3,11 +3,15 @@
     python data/make_tiny_sd.py                   # 2-3 minutes on 2 idle CPU cores
     python data/make_tiny_sd.py --vae_steps 20    # seconds, a poor VAE: for the tests
 
+Seeded: every run writes the same weights, given the same number of CPU threads (with another,
+float sums run in another order). On cores busy with other work, OMP_NUM_THREADS=1 can be several
+times faster: each operation waits for its slowest thread.
+
 The folder has SD 1.x's layout (model_index.json, vae/, text_encoder/, tokenizer/, unet/,
 scheduler/), so StableDiffusionPipeline.from_pretrained, train_text_to_image.py and train_lora.py
 take it like a hub model. Only the VAE is trained here (on data/digits/); the UNet is left at its
-random initialisation, for train_text_to_image.py to train. Run data/make_bold_digits.py first:
-the VAE is also checked on the LoRA demo's bold digits (it never trains on them).
+random initialisation, for train_text_to_image.py to train. The VAE is also checked on the LoRA
+demo's style, data/bold-digits/, which it never trains on.
 """
 
 import argparse

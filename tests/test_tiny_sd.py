@@ -1,5 +1,5 @@
 """data/make_tiny_sd.py (the demos' tiny SD 1.x pipeline) and data/make_bold_digits.py (the LoRA
-demo's style data). CI builds the pipeline with a 10-step VAE; FULL_RUNS=1 also builds it at full
+demo's style data). CI builds the pipeline with a 5-step VAE; FULL_RUNS=1 also builds it at full
 size and checks the VAE's figures (about 3 minutes on 2 CPU cores)."""
 
 import importlib
@@ -14,7 +14,7 @@ from conftest import DIGIT_NAMES, REPO
 
 FULL = os.environ.get("FULL_RUNS") == "1"
 DATA = REPO / "data"
-SHORT = ["--vae_steps", "10"]
+SHORT = ["--vae_steps", "5"]
 
 
 def tool(name):

@@ -227,8 +227,8 @@ def build_sd15(path):
     )
     from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
 
-    path.mkdir(parents=True, exist_ok=True)
-    tokenizer = CLIPTokenizer(*write_clip_vocab(path), model_max_length=77)
+    with tempfile.TemporaryDirectory() as vocab:  # the pipeline saves its own copy
+        tokenizer = CLIPTokenizer(*write_clip_vocab(vocab), model_max_length=TEXT_TOKENS)
     torch.manual_seed(0)
     text_config = CLIPTextConfig(
         **CLIP_VIT_L14,
@@ -530,33 +530,35 @@ def dit_model_type(args, model):
     return "DiT-S/2" if args.tiny else {"dit-b2": "DiT-B/2", "dit-xl2": "DiT-XL/2"}[model]
 
 
-def probe_dit_batch(model_type, resolution, largest):
+def probe_dit_batch(model_type, resolution, largest, device="cuda"):
     """The largest power-of-two batch (up to `largest`) for which a bare DiT training step, as the
-    script runs it (fp32 weights, bf16 autocast, AdamW), fits in GPU memory. Run in its own
-    process (--probe_dit), so that what it allocated is gone before the scripts run."""
+    script runs it (fp32 weights, bf16 autocast, AdamW), fits in GPU memory, and the first that did
+    not (None: none failed). Run in its own process (--probe_dit), so that what it allocated is
+    gone before the scripts run."""
     import torch
     from diffusers import DiTTransformer2DModel
 
     config = meta_dit(model_type, resolution).config
-    model = DiTTransformer2DModel.from_config(config).cuda()
+    model = DiTTransformer2DModel.from_config(config).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     size, fits, batch = config.sample_size, None, 1
     while batch <= largest:
         try:
             for _ in range(2):  # the second step holds Adam's state too
-                x = torch.randn(batch, config.in_channels, size, size, device="cuda")
-                t, y = (torch.randint(0, 1000, (batch,), device="cuda") for _ in range(2))
-                with torch.autocast("cuda", dtype=torch.bfloat16):
+                x = torch.randn(batch, config.in_channels, size, size, device=device)
+                t, y = (torch.randint(0, 1000, (batch,), device=device) for _ in range(2))
+                with torch.autocast(device, dtype=torch.bfloat16):
                     loss = model(x, t, y).sample.float().pow(2).mean()
                 loss.backward()
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
                 del x, t, y, loss
-            torch.cuda.synchronize()
-        except torch.cuda.OutOfMemoryError:
-            break
+        except torch.OutOfMemoryError:
+            return fits, batch
         fits, batch = batch, batch * 2
-    return fits, batch if batch <= largest else None  # what fit, and what did not (None: capped)
+        if device == "cuda":  # a fresh start for the next size: no cached blocks in the way
+            torch.cuda.empty_cache()
+    return fits, None
 
 
 def dit_batch(args, model):
@@ -579,7 +581,7 @@ def dit_batch(args, model):
     fits, failed = json.loads(probe.stdout.strip().splitlines()[-1])
     if fits is None:
         return None, f"{model_type}: not even batch 1 fits"
-    why = f"{failed} ran out of memory" if failed else "the largest tried"
+    why = f"{failed} ran out of memory" if failed else f"--max_dit_batch {args.max_dit_batch}"
     return fits, f"{model_type}: batch {fits}, the largest power of two that fit ({why})"
 
 
@@ -645,6 +647,8 @@ def ratio(rows, row):
 
 
 def format_ratio(rows, row):
+    if row.model.startswith("dit"):
+        return "no reference"
     value, vs_default = ratio(rows, row)
     return "" if value is None else f"{value:.2f}x" + (" vs default" if vs_default else "")
 
@@ -766,7 +770,11 @@ def parse_args(argv=None):
 def main():
     args = parse_args()
     if args.probe_dit:  # the DiT batch search's own process
-        print(json.dumps(probe_dit_batch(args.probe_dit, args.dit_resolution, args.max_dit_batch)))
+        import torch
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"  # a CPU: to try this code alone
+        fits = probe_dit_batch(args.probe_dit, args.dit_resolution, args.max_dit_batch, device)
+        print(json.dumps(fits))
         return
     rows = plan_rows(args)
     if not rows:

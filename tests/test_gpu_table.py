@@ -36,6 +36,17 @@ def test_dit_xl_2_forward_is_the_papers_count_and_a_step_three_forwards():
     assert gpu_table.dit_step_flops("DiT-XL/2", 4, 256) == pytest.approx(4 * step, rel=1e-3)
 
 
+def test_the_dit_batch_search_doubles_up_to_its_limit():
+    """On a CPU nothing runs out of memory: the search stops at its limit (a GPU stops earlier).
+    One thread: a CPU shared with other jobs makes OpenMP threads wait for each other (10x)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        assert gpu_table.probe_dit_batch("DiT-S/2", 32, 4, device="cpu") == (4, None)
+    finally:
+        torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
 def sd15_configs(tmp_path_factory):
     """The configs alone of the SD 1.5-shaped pipeline the GPU table trains (no weights)."""

@@ -44,7 +44,7 @@ itself then runs out of memory at that batch, it is halved. The table says which
 # The flags passed to each script (--tiny: --resolution 64, --mixed_precision no):
 #   Every Stable Diffusion row, ours and reference alike (train_text_to_image.py against the
 #   reference train_text_to_image.py, train_lora.py against train_text_to_image_lora.py):
-#     --pretrained_model_name_or_path <work_dir>/sd15 --train_data_dir <work_dir>/photos-512
+#     --pretrained_model_name_or_path <work_dir>/sd15 --train_data_dir <work_dir>/photos-512-64
 #     --resolution 512 --center_crop --train_batch_size B --max_train_steps STEPS
 #     --mixed_precision bf16 --output_dir <a temporary folder> --checkpointing_steps 1000000
 #     --seed 0 --dataloader_num_workers 0
@@ -65,9 +65,9 @@ itself then runs out of memory at that batch, it is halved. The table says which
 #     --checkpointing_steps 1000000 --seed 0 --save_images_epochs 1000000
 #     --save_model_epochs 1000000 --eval_batch_size 1 --validation_class_labels 0
 #     --num_inference_steps 1
-#   (train_dit.py samples after epoch 0 and at the end whatever --save_images_epochs says: the
-#   last four flags make that one image in one step; the data is 4 batches, so an epoch's end
-#   falls into at most a few of the timed steps, which the median ignores)
+#   (train_dit.py samples and saves the pipeline after epoch 0, and samples at the end, whatever
+#   --save_images_epochs and --save_model_epochs say: the last three flags make that one image in
+#   one step, and the data is --warmup - 1 batches, so that epoch 0 ends before the timed steps)
 
 import argparse
 import fnmatch
@@ -526,6 +526,13 @@ def run_row(args, row, pipeline, data):
     return row
 
 
+def dit_data(args, batch):
+    """The DiT rows' photos: whole batches only (a last, smaller one would time fewer images), and
+    few enough that epoch 0 ends within the warm-up: train_dit.py samples and saves the pipeline
+    after epoch 0 whatever --save_images_epochs and --save_model_epochs say."""
+    return photo_folder(args.work_dir, args.dit_resolution, batch * max(1, args.warmup - 1))
+
+
 def dit_model_type(args, model):
     return "DiT-S/2" if args.tiny else {"dit-b2": "DiT-B/2", "dit-xl2": "DiT-XL/2"}[model]
 
@@ -790,14 +797,12 @@ def main():
         return
     device = device_name(args)
     peak = args.peak_tflops or next((v for k, v in PEAK_TFLOPS.items() if k in device), None)
-    notes = (
-        []
-        if peak or args.tiny
-        else [f"no bf16 peak known for {device}: MFU left out (give --peak_tflops)"]
-    )
+    notes = []
+    if not (peak or args.tiny):
+        notes.append(f"no bf16 peak known for {device}: MFU left out (give --peak_tflops)")
+    started = time.perf_counter()
     pipeline = pipeline_folder(args)
     sd_data = photo_folder(args.work_dir, args.resolution, args.rows_of_data)
-    started = time.perf_counter()
     for row in rows:
         if row.model.startswith("dit") and not row.batch:  # found once per model
             known = next((r.batch for r in rows if r.model == row.model and r.batch), None)
@@ -811,19 +816,20 @@ def main():
         if row.skip:
             log(f"{row.id}: {row.skip}")
             continue
-        data = sd_data
-        if row.model.startswith("dit"):  # whole batches only: the last one would be smaller
-            n = max(64, 4 * row.batch)  # (and a multiple of the halved batches below)
-            data = photo_folder(args.work_dir, args.dit_resolution, n)
         log(f"{row.id}: running")
-        run_row(args, row, pipeline, data)
+        run_row(
+            args,
+            row,
+            pipeline,
+            dit_data(args, row.batch) if row.model.startswith("dit") else sd_data,
+        )
         while row.model.startswith("dit") and row.result.get("oom") and row.batch > 1:
             notes.append(f"{row.id}: ran out of memory at batch {row.batch}; halved")
             row.batch //= 2
             for other in rows:  # the other DiT rows of this model time the same batch
                 if other.model == row.model:
                     other.batch = row.batch
-            run_row(args, row, pipeline, data)
+            run_row(args, row, pipeline, dit_data(args, row.batch))
         if "step_s" in row.result:
             row.result["flops"] = step_flops(args, row, pipeline)
         outcome = row.result.get("error") or f"{1 / row.result['step_s']:.3f} it/s"
@@ -831,7 +837,8 @@ def main():
         if row.result.get("device") and not args.tiny and row.result["device"] != device:
             notes.append(f"{row.id} ran on {row.result['device']}")
     minutes = (time.perf_counter() - started) / 60
-    notes.append(f"the whole table took {minutes:.1f} min; logs in {args.work_dir / 'logs'}")
+    notes.append(f"the whole table took {minutes:.1f} min, building included")
+    notes.append(f"logs: {args.work_dir / 'logs'}")
     if args.reference_dir:
         notes.append(f"reference scripts: {args.reference_dir}")
     table = format_table(args, rows, device, peak, notes)

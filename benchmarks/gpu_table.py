@@ -12,7 +12,7 @@ One Markdown table, on one GPU (or at a tiny size on a CPU):
 Models, all with random weights (the real compute; nothing is downloaded): Stable Diffusion 1.5's
 UNet, VAE and CLIP ViT-L/14 text encoder built from their published configs and saved once as a
 StableDiffusionPipeline folder under --work_dir; 512 px photos from scikit-image with captions.
-DiT-B/2 and DiT-XL/2 (our train_dit.py builds them from --model_type) train at 256 px in that
+DiT-B/2 and DiT-XL/2 (configs written here, as configs/dit-b-2 in the repo) train at 256 px in that
 VAE's latent space (32 x 32 x 4) on cached latents. --tiny: the tests' tiny pipeline
 (tests/conftest.py build_tiny_sd), 64 px, fp32, and DiT-S/2 for the DiT rows.
 
@@ -58,16 +58,16 @@ itself then runs out of memory at that batch, it is halved. The table says which
 #                                      `accelerate launch --dynamo_backend inductor` sets it
 #                                      (every other row: ACCELERATE_DYNAMO_BACKEND=NO)
 #   DiT rows (ours only, train_dit.py):
-#     --model_type DiT-B/2 (DiT-XL/2; --tiny: DiT-S/2) --train_data_dir <work_dir>/photos-256-N
-#     --pretrained_vae_model_name_or_path <work_dir>/sd15 --vae_subfolder vae --cache_latents
+#     --model_config_name_or_path <work_dir>/dit-configs/DiT-B-2 (DiT-XL-2; --tiny: DiT-S-2, the
+#     paper's sizes written here) --train_data_dir <work_dir>/photos-256-N
+#     --pretrained_vae_model_name_or_path <work_dir>/sd15/vae --cache_latents
 #     --center_crop --resolution 256 --train_batch_size B --max_train_steps STEPS
 #     --mixed_precision bf16 --output_dir <a temporary folder> --logger none
 #     --checkpointing_steps 1000000 --seed 0 --save_images_epochs 1000000
-#     --save_model_epochs 1000000 --eval_batch_size 1 --validation_class_labels 0
-#     --num_inference_steps 1
-#   (train_dit.py samples and saves the pipeline after epoch 0, and samples at the end, whatever
-#   --save_images_epochs and --save_model_epochs say: the last three flags make that one image in
-#   one step, and the data is --warmup - 1 batches, so that epoch 0 ends before the timed steps)
+#     --eval_batch_size 1 --num_inference_steps 1
+#   (train_dit.py samples after epoch 0 and at the end, whatever --save_images_epochs says: the
+#   last two flags make that one image per class in one step, and the data is --warmup - 1
+#   batches, so that epoch 0 ends before the timed steps)
 
 import argparse
 import fnmatch
@@ -147,7 +147,7 @@ CLIP_VIT_L14 = dict(
 NEVER = 1_000_000  # a step or epoch interval that never comes: no checkpoint, no sample
 TEXT_TOKENS = 77  # captions are padded to the tokenizer's model_max_length
 LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0"]
-# DiT sizes (depth, heads, head width), as train_dit.py builds --model_type; patch size 2.
+# DiT sizes (depth, heads, head width), as in configs/dit-b-2 and configs/dit-xl-2; patch size 2.
 DIT_SIZES = {"S": (12, 6, 64), "B": (12, 12, 64), "L": (24, 16, 64), "XL": (28, 16, 72)}
 
 # The flag sets: the table's name for each, the script flags, whether it compiles.
@@ -461,12 +461,12 @@ def script_command(args, row, pipeline, data, output_dir):
     """The script and its flags for a row (the list at the top of this file)."""
     if row.model.startswith("dit"):
         script = REPO / OURS["dit"]
-        common = ["--model_type", dit_model_type(args, row.model), "--train_data_dir", data]
-        common += ["--pretrained_vae_model_name_or_path", pipeline, "--vae_subfolder", "vae"]
+        config = dit_config(args, dit_model_type(args, row.model))
+        common = ["--model_config_name_or_path", config, "--train_data_dir", data]
+        common += ["--pretrained_vae_model_name_or_path", f"{pipeline}/vae"]
         common += ["--cache_latents", "--center_crop", "--resolution", args.dit_resolution]
-        common += ["--logger", "none", "--save_images_epochs", NEVER, "--save_model_epochs", NEVER]
-        common += ["--eval_batch_size", 1, "--validation_class_labels", 0]
-        common += ["--num_inference_steps", 1]
+        common += ["--logger", "none", "--save_images_epochs", NEVER]
+        common += ["--eval_batch_size", 1, "--num_inference_steps", 1]
     else:
         ours = row.script == "ours"
         script = REPO / OURS[row.model] if ours else args.reference_dir / REFERENCE[row.model]
@@ -529,8 +529,16 @@ def run_row(args, row, pipeline, data):
 def dit_data(args, batch):
     """The DiT rows' photos: whole batches only (a last, smaller one would time fewer images), and
     few enough that epoch 0 ends within the warm-up: train_dit.py samples and saves the pipeline
-    after epoch 0 whatever --save_images_epochs and --save_model_epochs say."""
+    after epoch 0 whatever --save_images_epochs says."""
     return photo_folder(args.work_dir, args.dit_resolution, batch * max(1, args.warmup - 1))
+
+
+def dit_config(args, model_type):
+    """A folder with the config.json of DiT-<size>/<patch>, which train_dit.py builds from."""
+    folder = args.work_dir / "dit-configs" / model_type.replace("/", "-")
+    if not (folder / "config.json").exists():
+        meta_dit(model_type, args.dit_resolution).save_config(folder)
+    return folder
 
 
 def dit_model_type(args, model):

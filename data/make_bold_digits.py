@@ -27,7 +27,7 @@ SIZE = 16  # the demos' --resolution
 def read_images(folder, size=SIZE):
     """An imagefolder's images as grey arrays (N, size, size) in [0, 1], with its metadata rows.
 
-    Resized with Lanczos, as the training scripts' default --image_interpolation_mode does.
+    Resized with Lanczos, as train_text_to_image.py and train_lora.py resize.
     """
     rows = [json.loads(line) for line in (Path(folder) / "metadata.jsonl").read_text().splitlines()]
     images = []

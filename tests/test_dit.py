@@ -124,6 +124,7 @@ def test_latent_training_with_cached_latents_saves_a_dit_pipeline(digits_folder,
 
 @pytest.mark.parametrize("case, expected", [
     ("no_such_dir", "error: --train_data_dir /no/such/dir: "),
+    ("empty_dir", "error: --train_data_dir "),
     ("label_column", "error: no column 'class'; the dataset has ['image', 'text', 'label']"),
     ("corrupt_image", "error: image "),
     ("model_config", "error: --model_config_name_or_path /no/such/config: "),
@@ -131,11 +132,12 @@ def test_latent_training_with_cached_latents_saves_a_dit_pipeline(digits_folder,
     ("fp16_on_cpu", "error: --mixed_precision fp16 needs a GPU"),
     ("missing_checkpoint", "error: --resume_from_checkpoint "),
 ])
-def test_bad_input_is_one_clear_error(case, expected, digits_folder, corrupt_folder, tiny_dit_config, tmp_path,
-                                      run_in_process):
+def test_bad_input_is_one_clear_error(case, expected, digits_folder, corrupt_folder, empty_folder, tiny_dit_config,
+                                      tmp_path, run_in_process):
     args = ["--train_data_dir", digits_folder, "--model_config_name_or_path", tiny_dit_config, "--resolution", "32",
             "--output_dir", tmp_path, "--logger", "none", "--train_batch_size", "6"]
-    changes = {"no_such_dir": ["--train_data_dir", "/no/such/dir"], "label_column": ["--label_column", "class"],
+    changes = {"no_such_dir": ["--train_data_dir", "/no/such/dir"], "empty_dir": ["--train_data_dir", empty_folder],
+               "label_column": ["--label_column", "class"],
                "corrupt_image": ["--train_data_dir", corrupt_folder],
                "model_config": ["--model_config_name_or_path", "/no/such/config"],
                "vae": ["--pretrained_vae_model_name_or_path", "/no/such/vae"], "fp16_on_cpu": ["--mixed_precision", "fp16"],

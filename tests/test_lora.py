@@ -186,6 +186,9 @@ def test_the_diffusers_readme_command_parses():
 
 @pytest.mark.parametrize("case, expected", [
     ("target", "error: --lora_target_modules to_x: NoMatchingPeftModuleError: Target modules {'to_x'} not found"),
+    ("not_a_pipeline", "error: --pretrained_model_name_or_path "),
+    ("no_such_dir", "error: --train_data_dir /no/such/dir: "),
+    ("fp16_on_cpu", "error: --mixed_precision fp16 needs a GPU"),
     ("rank", "error: --resume_from_checkpoint "),
     ("no_captions", "error: no column 'text' (--caption_column), no caption file: FileNotFoundError: "),
     ("corrupt_image", "error: image "),
@@ -197,7 +200,8 @@ def test_bad_input_is_one_clear_error(case, expected, reference, tiny_sd_path, k
     out = resume_copy(reference, "checkpoint-4", tmp_path / "out") if case == "rank" else tmp_path / "out"
     args = ["--pretrained_model_name_or_path", tiny_sd_path, "--train_data_dir", kohya_folder, "--resolution", "64",
             "--output_dir", out, "--report_to", "none", "--train_text_encoder"]
-    changes = {"target": ["--lora_target_modules", "to_x"],
+    changes = {"target": ["--lora_target_modules", "to_x"], "not_a_pipeline": ["--pretrained_model_name_or_path", tmp_path],
+               "no_such_dir": ["--train_data_dir", "/no/such/dir"], "fp16_on_cpu": ["--mixed_precision", "fp16"],
                "rank": ["--rank", "8", "--lora_target_modules", KOHYA_TARGETS, "--resume_from_checkpoint", "latest"],
                "no_captions": ["--caption_extension", ".caption"], "corrupt_image": ["--train_data_dir", corrupt_folder,
                                                                                  "--caption_column", "text"]}

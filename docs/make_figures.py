@@ -1,0 +1,269 @@
+"""Draw the figures of docs/ from the libraries and from real runs of the README's demos.
+
+    python docs/make_figures.py                # after the README demos, from their output folders
+    python docs/make_figures.py --short        # CI: small runs of its own, in a temporary folder
+
+The demos' folders (the README's --output_dir, in the repository's root): ddpm-digits, dit-digits,
+data/tiny-sd (data/make_tiny_sd.py), sd-digits and bold-lora; --runs DIR reads them from elsewhere.
+Every figure says in its caption which run or library call it came from; nothing is drawn by hand.
+"""
+
+import argparse
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from diffusers import DDPMScheduler  # noqa: E402
+from PIL import Image  # noqa: E402
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+OUT = REPO / "docs" / "figures"
+DIGITS = REPO / "data" / "digits"
+PROMPTS = [f"a handwritten digit {n}" for n in "zero one two three four five six seven eight nine".split()]
+SCHEDULES = {  # as diffusers' DDPMScheduler builds them: (beta_schedule, beta_start, beta_end)
+    "linear (DDPM; train_unconditional, train_dit)": ("linear", 0.0001, 0.02),
+    "scaled_linear (Stable Diffusion 1.x)": ("scaled_linear", 0.00085, 0.012),
+    "squaredcos_cap_v2 (cosine, Nichol & Dhariwal)": ("squaredcos_cap_v2", 0.0001, 0.02),
+}
+FIGURES = ["forward-process.png", "schedules.png", "min-snr-weights.png", "loss-curves.png",
+           "unconditional-over-training.png", "dit-over-training.png", "dit-guidance.png", "tiny-vae.png",
+           "text-to-image-over-training.png", "lora-before-after.png"]
+
+
+def caption(fig, text):
+    """Under the figure: what it came from (the folder names are the README demos' output_dir)."""
+    fig.text(0.01, -0.01, text, fontsize=7, color="0.35", ha="left", va="top", wrap=True)
+
+
+def digit(name="0003.png", size=16):
+    """A digit of data/digits as the scripts see it: RGB in [-1, 1], (1, 3, size, size)."""
+    image = Image.open(DIGITS / name).convert("RGB").resize((size, size), Image.BILINEAR)
+    return torch.tensor(np.asarray(image), dtype=torch.float32).permute(2, 0, 1)[None] / 127.5 - 1
+
+
+def forward_process(out):
+    """q(x_t | x_0): the closed form that every training step samples (DDPM, eq. 4)."""
+    scheduler, x0 = DDPMScheduler(), digit()
+    steps = [0, 50, 100, 200, 300, 500, 700, 999]
+    noise = torch.randn(x0.shape, generator=torch.Generator().manual_seed(0))
+    fig, axes = plt.subplots(1, len(steps), figsize=(len(steps) * 1.2, 1.9))
+    for ax, t in zip(axes, steps):
+        xt = scheduler.add_noise(x0, noise, torch.tensor([t]))[0]
+        ax.imshow(((xt.permute(1, 2, 0) + 1) / 2).clamp(0, 1), interpolation="nearest")
+        ax.set_title(f"t = {t}\nᾱ_t = {scheduler.alphas_cumprod[t]:.3f}", fontsize=8)
+        ax.axis("off")
+    caption(fig, "x_t = √ᾱ_t·x_0 + √(1-ᾱ_t)·ε on data/digits/0003.png (16 px) with one draw of ε; "
+                 "DDPMScheduler() (linear β, 1000 steps), add_noise.")
+    fig.savefig(out / "forward-process.png", dpi=130, bbox_inches="tight")
+
+
+def schedules(out):
+    fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.2))
+    t = torch.arange(1000)
+    for name, (schedule, start, end) in SCHEDULES.items():
+        alphas = DDPMScheduler(beta_schedule=schedule, beta_start=start, beta_end=end).alphas_cumprod
+        left.plot(t, alphas, label=name)
+        right.plot(t, torch.log(alphas / (1 - alphas)), label=name)
+    left.set(xlabel="t", ylabel="ᾱ_t (signal kept)", title="ᾱ_t")
+    right.set(xlabel="t", ylabel="log SNR(t) = log ᾱ_t/(1-ᾱ_t)", title="log-SNR")
+    left.legend(fontsize=7)
+    caption(fig, "DDPMScheduler(beta_schedule=...).alphas_cumprod, 1000 steps.")
+    fig.savefig(out / "schedules.png", dpi=130, bbox_inches="tight")
+
+
+def min_snr_weights(out):
+    """What --snr_gamma does to each timestep's loss (train_unconditional.min_snr_weights)."""
+    sys.path.insert(0, str(REPO))
+    from train_unconditional import min_snr_weights as weights
+
+    fig, ax = plt.subplots(figsize=(5.5, 3.2))
+    t = torch.arange(1000)
+    for prediction_type in ["epsilon", "v_prediction"]:
+        scheduler = DDPMScheduler(prediction_type=prediction_type)
+        for gamma in [1.0, 5.0]:
+            ax.plot(t, weights(scheduler, t, gamma), label=f"{prediction_type}, γ = {gamma:g}")
+    ax.set(xlabel="t", ylabel="loss weight", yscale="log", title="Min-SNR-γ weights (Hang et al. 2023)")
+    ax.legend(fontsize=7)
+    caption(fig, "min_snr_weights() of the scripts on DDPMScheduler(): min(SNR, γ)/SNR for ε, "
+                 "min(SNR, γ)/(SNR + 1) for v; 1 everywhere without --snr_gamma.")
+    fig.savefig(out / "min-snr-weights.png", dpi=130, bbox_inches="tight")
+
+
+def losses(run):
+    """The per-step loss a script logged to TensorBoard (its first project folder)."""
+    logs = next(Path(run, "logs").iterdir())
+    scalars = EventAccumulator(str(logs)).Reload().Scalars("loss")
+    return np.array([s.step for s in scalars]), np.array([s.value for s in scalars])
+
+
+def loss_curves(runs, out):
+    names = {"unconditional": "train_unconditional.py", "dit": "train_dit.py",
+             "text_to_image": "train_text_to_image.py", "lora": "train_lora.py"}
+    fig, axes = plt.subplots(1, 4, figsize=(13, 2.8))
+    for ax, (key, name) in zip(axes, names.items()):
+        steps, values = losses(runs[key])
+        window = max(1, len(values) // 50)
+        smooth = np.convolve(values, np.ones(window) / window, mode="valid")
+        ax.plot(steps, values, color="0.8", lw=0.5)
+        ax.plot(steps[window - 1 :], smooth)
+        ax.set(title=name, xlabel="step", yscale="log")
+    axes[0].set_ylabel("loss (‖ε - ε_θ‖², and a moving mean)")
+    caption(fig, f"The 'loss' each demo logged to TensorBoard: {', '.join(runs[k].name for k in names)}.")
+    fig.savefig(out / "loss-curves.png", dpi=130, bbox_inches="tight")
+
+
+def grids_over_training(run, out, name, title, crop=None):
+    """The validation grids a run saved as output_dir/samples/step-N.png, side by side."""
+    files = sorted(Path(run, "samples").glob("step-*.png"), key=lambda p: int(p.stem[5:]))
+    files = files if len(files) <= 4 else [files[i] for i in np.linspace(0, len(files) - 1, 4).astype(int)]
+    fig, axes = plt.subplots(1, len(files), figsize=(3.2 * len(files), 3.4), squeeze=False)
+    for ax, file in zip(axes[0], files):
+        image = Image.open(file)
+        ax.imshow(image.crop(crop(image)) if crop else image, interpolation="nearest")
+        ax.set_title(f"step {file.stem[5:]}", fontsize=9)
+        ax.axis("off")
+    fig.suptitle(title, fontsize=10)
+    caption(fig, f"{Path(run).name}/samples/step-N.png, the grids the script saved (the same noise each time).")
+    fig.savefig(out / name, dpi=130, bbox_inches="tight")
+
+
+def dit_guidance(runs, out):
+    sys.path.insert(0, str(REPO))
+    from diffusers import DDIMScheduler, DiTTransformer2DModel
+    from train_dit import sample_images
+
+    model = DiTTransformer2DModel.from_pretrained(Path(runs["dit"], "transformer")).eval()
+    scheduler = DDIMScheduler.from_pretrained(Path(runs["dit"], "scheduler"))
+    labels = torch.arange(10).repeat_interleave(4)
+    fig, axes = plt.subplots(1, 4, figsize=(13, 2.0))
+    for ax, scale in zip(axes, [1, 2, 4, 7]):
+        images = sample_images(model, scheduler, labels, scale, 50, generator=torch.manual_seed(0))
+        grid = images.view(10, 4, 3, *images.shape[2:]).permute(1, 3, 0, 4, 2).flatten(2, 3).flatten(0, 1)
+        ax.imshow(grid.numpy(), interpolation="nearest")
+        ax.set_title(f"guidance s = {scale}", fontsize=9)
+        ax.axis("off")
+    caption(fig, f"train_dit.sample_images on {runs['dit'].name} (EMA weights), DDIM 50 steps, the same noise in "
+                 "every panel; columns: the classes 0-9 asked for.")
+    fig.savefig(out / "dit-guidance.png", dpi=130, bbox_inches="tight")
+
+
+def tiny_vae(runs, out):
+    from diffusers import AutoencoderKL
+
+    vae = AutoencoderKL.from_pretrained(Path(runs["tiny_sd"], "vae")).eval()
+    names = [f"{i:04d}.png" for i in range(8)]
+    x = torch.cat([digit(name) for name in names])
+    with torch.no_grad():
+        latents = vae.encode(x).latent_dist.mode()
+        again = vae.decode(latents).sample
+    rows = [("image x", x), ("VAE decode(encode(x))", again)]
+    fig, axes = plt.subplots(2 + 4, 8, figsize=(8, 6.4))
+    for r, (label, images) in enumerate(rows):
+        for c in range(8):
+            axes[r, c].imshow(((images[c].permute(1, 2, 0) + 1) / 2).clamp(0, 1), interpolation="nearest")
+    for channel in range(4):
+        for c in range(8):
+            axes[2 + channel, c].imshow(latents[c, channel], cmap="RdBu", interpolation="nearest")
+    for r, label in enumerate(["16 px image", "reconstruction", *[f"latent ch. {i}" for i in range(4)]]):
+        axes[r, 0].set_ylabel(label, fontsize=7)
+    for ax in axes.flat:
+        ax.set_xticks([])
+        ax.set_yticks([])
+    caption(fig, "data/tiny-sd/vae (data/make_tiny_sd.py) on data/digits/0000-0007.png: 16x16x3 pixels "
+                 "-> 8x8x4 latents (the posterior's mode) -> pixels.")
+    fig.savefig(out / "tiny-vae.png", dpi=130, bbox_inches="tight")
+
+
+def lora_before_after(runs, out):
+    from diffusers import DPMSolverMultistepScheduler, StableDiffusionPipeline
+
+    pipe = StableDiffusionPipeline.from_pretrained(runs["text_to_image"])
+    pipe.scheduler = DPMSolverMultistepScheduler.from_config(pipe.scheduler.config)
+    pipe.set_progress_bar_config(disable=True)
+    pipe.load_lora_weights(runs["lora"])
+    prompts = [p.replace("a handwritten", "a bold handwritten") for p in PROMPTS]
+    fig, axes = plt.subplots(1, 2, figsize=(9, 2.3))
+    for ax, scale in zip(axes, [0.0, 1.0]):
+        images = pipe(prompts, num_images_per_prompt=4, num_inference_steps=25, guidance_scale=3.0,
+                      cross_attention_kwargs={"scale": scale}, generator=torch.manual_seed(0),
+                      output_type="np").images
+        ax.imshow(images.reshape(10, 4, 16, 16, 3).transpose(1, 2, 0, 3, 4).reshape(64, 160, 3),
+                  interpolation="nearest")
+        ax.set_title(f"LoRA scale {scale:g}" + (" (the base model)" if scale == 0 else ""), fontsize=9)
+        ax.axis("off")
+    caption(fig, f"{runs['text_to_image'].name} with {runs['lora'].name}/pytorch_lora_weights.safetensors, prompts "
+                 "'a bold handwritten digit zero' ... 'nine' (columns), 4 seeds (rows), DPM-Solver 25 steps, "
+                 "guidance 3, the same noise in both panels.")
+    fig.savefig(out / "lora-before-after.png", dpi=130, bbox_inches="tight")
+
+
+def short_runs(folder):
+    """The README demos at a few steps each, for CI: the same scripts and figures, less training."""
+    python = [sys.executable]
+    tiny = folder / "tiny-sd"
+    commands = [
+        [*python, REPO / "train_unconditional.py", "--train_data_dir", DIGITS, "--resolution", "16",
+         "--model_config_name_or_path", REPO / "configs" / "unet-digits", "--max_train_steps", "4",
+         "--ddpm_num_inference_steps", "2", "--eval_batch_size", "4", "--output_dir", folder / "ddpm-digits"],
+        [*python, REPO / "train_dit.py", "--train_data_dir", DIGITS, "--resolution", "16",
+         "--model_config_name_or_path", REPO / "configs" / "dit-digits", "--max_train_steps", "4",
+         "--num_inference_steps", "2", "--eval_batch_size", "1", "--output_dir", folder / "dit-digits"],
+        [*python, REPO / "data" / "make_tiny_sd.py", "--vae_steps", "5", "--output_dir", tiny],
+        [*python, REPO / "train_text_to_image.py", "--pretrained_model_name_or_path", tiny, "--resolution", "16",
+         "--train_data_dir", DIGITS, "--max_train_steps", "4", "--train_batch_size", "32",
+         "--validation_prompts", *PROMPTS[:2], "--num_inference_steps", "2", "--output_dir", folder / "sd-digits"],
+        [*python, REPO / "train_lora.py", "--pretrained_model_name_or_path", folder / "sd-digits",
+         "--train_data_dir", REPO / "data" / "bold-digits", "--resolution", "16", "--max_train_steps", "4",
+         "--train_batch_size", "32", "--validation_prompts", PROMPTS[0], "--num_inference_steps", "2",
+         "--num_validation_images", "1", "--output_dir", folder / "bold-lora"],
+    ]
+    for command in commands:
+        subprocess.run([str(c) for c in command], check=True, capture_output=True)
+    return {"unconditional": folder / "ddpm-digits", "dit": folder / "dit-digits", "tiny_sd": tiny,
+            "text_to_image": folder / "sd-digits", "lora": folder / "bold-lora"}
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--runs", type=Path, default=REPO, help="Where the demos' folders are.")
+    parser.add_argument("--out", type=Path, default=OUT)
+    parser.add_argument("--short", action="store_true", help="Small runs of its own (CI).")
+    args = parser.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as folder:
+        if args.short:
+            runs = short_runs(Path(folder))
+        else:
+            runs = {"unconditional": args.runs / "ddpm-digits", "dit": args.runs / "dit-digits",
+                    "tiny_sd": args.runs / "data" / "tiny-sd", "text_to_image": args.runs / "sd-digits",
+                    "lora": args.runs / "bold-lora"}
+        forward_process(args.out)
+        schedules(args.out)
+        min_snr_weights(args.out)
+        loss_curves(runs, args.out)
+        grids_over_training(runs["unconditional"], args.out, "unconditional-over-training.png",
+                            "train_unconditional.py: 64 samples from the same noise, DDPM (Algorithm 2)")
+        grids_over_training(runs["dit"], args.out, "dit-over-training.png",
+                            "train_dit.py: a row per class 0-9, guidance 4, DDIM")
+        dit_guidance(runs, args.out)
+        tiny_vae(runs, args.out)
+        grids_over_training(runs["text_to_image"], args.out, "text-to-image-over-training.png",
+                            "train_text_to_image.py: 'a handwritten digit zero' ... 'nine', guidance 3")
+        lora_before_after(runs, args.out)
+        plt.close("all")
+    missing = [name for name in FIGURES if not (args.out / name).exists()]
+    if missing:
+        raise SystemExit(f"error: not drawn: {missing}")
+    print(f"drew {len(FIGURES)} figures in {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -88,7 +88,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tests"))
-from conftest import build_tiny_sd, write_clip_vocab  # noqa: E402  the tests' offline helpers
+from conftest import build_tiny_sd, clip_tokenizer  # noqa: E402  the tests' offline helpers
 
 TIMED = REPO / "benchmarks" / "_timed.py"
 OURS = {"sd": "train_text_to_image.py", "lora": "train_lora.py", "dit": "train_dit.py"}
@@ -225,10 +225,10 @@ def build_sd15(path):
         StableDiffusionPipeline,
         UNet2DConditionModel,
     )
-    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
+    from transformers import CLIPTextConfig, CLIPTextModel
 
     with tempfile.TemporaryDirectory() as vocab:  # the pipeline saves its own copy
-        tokenizer = CLIPTokenizer(*write_clip_vocab(vocab), model_max_length=TEXT_TOKENS)
+        tokenizer = clip_tokenizer(vocab, TEXT_TOKENS)
     torch.manual_seed(0)
     text_config = CLIPTextConfig(
         **CLIP_VIT_L14,

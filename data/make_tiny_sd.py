@@ -42,8 +42,8 @@ def parse_args(argv=None):
     return parser.parse_args(argv)
 
 
-def make_tokenizer(folder):
-    """A CLIP tokenizer (byte-level BPE) that writes each of WORDS as one token.
+def make_tokenizer(folder, words=WORDS, max_length=MAX_LENGTH):
+    """A CLIP tokenizer (byte-level BPE) that writes each of `words` as one token.
 
     The vocabulary starts with the 256 byte symbols, alone and as word ends ("</w>"), so any text
     can be written. Each merge joins two tokens into a new one; merging every word from the left
@@ -53,7 +53,7 @@ def make_tokenizer(folder):
     others = iter(range(256, 512))
     symbols = [chr(b) if b in printable else chr(next(others)) for b in range(256)]
     tokens, merges = [*symbols, *(s + "</w>" for s in symbols)], []
-    for word in WORDS:
+    for word in words:
         parts = [*word[:-1], word[-1] + "</w>"]
         while len(parts) > 1:
             if parts[0] + parts[1] not in tokens:
@@ -64,8 +64,8 @@ def make_tokenizer(folder):
     vocab, merges_file = Path(folder) / "vocab.json", Path(folder) / "merges.txt"
     vocab.write_text(json.dumps({token: i for i, token in enumerate(tokens)}))
     merges_file.write_text("#version: 0.2\n" + "".join(m + "\n" for m in merges))
-    tokenizer = CLIPTokenizer(str(vocab), str(merges_file), model_max_length=MAX_LENGTH)
-    assert all(tokenizer.tokenize(word) == [word + "</w>"] for word in WORDS)
+    tokenizer = CLIPTokenizer(str(vocab), str(merges_file), model_max_length=max_length)
+    assert all(tokenizer.tokenize(word) == [word + "</w>"] for word in words)
     return tokenizer
 
 

@@ -214,25 +214,13 @@ def empty_folder(tmp_path_factory):
 CAPTION_WORDS = ("a", "the", "of", "photo", "handwritten", "digit", "number", *DIGIT_NAMES)
 
 
-def write_clip_vocab(folder):
-    """A tiny CLIP vocab.json and merges.txt: the 256 byte symbols (alone and ending a word), one
-    merge per step of each caption word (so each is one token), and the two special tokens."""
-    printable = [*range(33, 127), *range(161, 173), *range(174, 256)]  # CLIP's byte alphabet
-    extra = iter(range(256, 512))
-    symbols = [chr(b) if b in printable else chr(next(extra)) for b in range(256)]
-    tokens, merges = [*symbols, *(s + "</w>" for s in symbols)], []
-    for word in CAPTION_WORDS:
-        parts = [*word[:-1], word[-1] + "</w>"]
-        while len(parts) > 1:
-            if f"{parts[0]} {parts[1]}" not in merges:
-                merges.append(f"{parts[0]} {parts[1]}")
-                tokens.append(parts[0] + parts[1])
-            parts[:2] = [parts[0] + parts[1]]
-    tokens += ["<|startoftext|>", "<|endoftext|>"]
-    vocab, merges_file = Path(folder) / "vocab.json", Path(folder) / "merges.txt"
-    vocab.write_text(json.dumps({token: i for i, token in enumerate(tokens)}))
-    merges_file.write_text("#version: 0.2\n" + "".join(m + "\n" for m in merges))
-    return str(vocab), str(merges_file)
+def clip_tokenizer(folder, max_length=77):
+    """A tiny CLIP tokenizer in which every caption word is one token: data/make_tiny_sd.py's."""
+    if str(REPO / "data") not in sys.path:
+        sys.path.append(str(REPO / "data"))  # its tools import each other as scripts do
+    from make_tiny_sd import make_tokenizer
+
+    return make_tokenizer(folder, CAPTION_WORDS, max_length)
 
 
 def build_tiny_sd(vocab_dir, path):
@@ -241,10 +229,10 @@ def build_tiny_sd(vocab_dir, path):
     import torch
     from diffusers import AutoencoderKL, DDPMScheduler, StableDiffusionPipeline
     from diffusers import UNet2DConditionModel
-    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
+    from transformers import CLIPTextConfig, CLIPTextModel
 
     torch.manual_seed(0)
-    tokenizer = CLIPTokenizer(*write_clip_vocab(vocab_dir), model_max_length=77)
+    tokenizer = clip_tokenizer(vocab_dir)
     unet = UNet2DConditionModel(
         block_out_channels=(32, 64), layers_per_block=2, sample_size=8, in_channels=4,
         out_channels=4, down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),

@@ -146,10 +146,9 @@ def main(args):
     w = accelerator.unwrap_model(model).weight.detach().float().flatten().cpu()
     accelerator.print("learned w:", [round(v, 4) for v in w.tolist()], " true w:", TRUE_W)
 
-    # 9. Final save, by the main process
+    # 9. Final save: every process takes part, the main one writes
     accelerator.wait_for_everyone()
-    if accelerator.is_main_process:
-        accelerator.save_model(model, args.output_dir)
+    accelerator.save_model(model, args.output_dir)
     accelerator.end_training()
 
 

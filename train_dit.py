@@ -110,6 +110,8 @@ def main(args):
         # the others wait up to 2 h while the main process validates
         kwargs_handlers=[InitProcessGroupKwargs(backend=gloo, timeout=timedelta(hours=2))],
     )
+    # a model itself: no DDP, DeepSpeed or torch.compile wrapper around it
+    unwrap = partial(accelerator.unwrap_model, keep_torch_compile=False)
     if accelerator.mixed_precision == "fp16" and accelerator.device.type == "cpu":
         raise SystemExit("error: --mixed_precision fp16 needs a GPU; on a CPU use bf16 or no")
     plugin = accelerator.state.deepspeed_plugin
@@ -147,7 +149,7 @@ def main(args):
         clip_sample=False,  # guidance overshoots x_0 on purpose: clipped, s = 4 drew no digits
     )
     ema_model = None
-    if args.use_ema:  # the paper's EMA: a constant decay, from the first step on
+    if args.use_ema:  # the paper's EMA: a constant decay
         decay = dict(decay=args.ema_max_decay, min_decay=args.ema_max_decay)
         ema_model = EMAModel(
             model.parameters(), **decay, model_cls=type(model), model_config=model.config
@@ -165,7 +167,7 @@ def main(args):
     )
     if args.cache_latents:  # the frozen VAE encodes each image once, here, not in every epoch
         key = [train_dataset._fingerprint, path, args.resolution, args.random_flip, vae.dtype]
-        with accelerator.main_process_first():  # the others then read its files
+        with accelerator.main_process_first():  # the others read its files
             train_dataset = train_dataset.map(
                 partial(encode_latents, args=args, augment=augment, vae=vae),
                 batched=True,
@@ -180,7 +182,7 @@ def main(args):
         batch_size=args.train_batch_size,
         shuffle=True,
         num_workers=args.dataloader_num_workers,
-        generator=torch.Generator().manual_seed(args.seed),  # not the global RNG: see the loop
+        generator=torch.Generator().manual_seed(args.seed),  # not the global RNG: see preprocess
     )
 
     # 5. Optimizer and LR schedule, over each process's share of the batches
@@ -211,20 +213,18 @@ def main(args):
 
     # 6. Checkpoint hooks and resume. save_state stores the optimizer, LR schedule and the RNG
     #    states of every process; the hooks store the model (and EMA) as `from_pretrained`
-    #    folders, as the Diffusers examples do. DeepSpeed stores its model itself.
+    #    folders, as the Diffusers examples do (DeepSpeed keeps a copy of its own too).
     def save_model_hook(models, weights, output_dir):
-        if accelerator.is_main_process and weights:
-            accelerator.unwrap_model(models[0]).save_pretrained(f"{output_dir}/transformer")
+        if accelerator.is_main_process:
+            unwrap(models[0]).save_pretrained(f"{output_dir}/transformer")
         if accelerator.is_main_process and ema_model is not None:
             ema_model.save_pretrained(f"{output_dir}/transformer_ema")
-        if weights:
-            weights.pop()  # saved above
+        weights.clear()  # saved above
 
     def load_model_hook(models, input_dir):
         if models:
             loaded = DiTTransformer2DModel.from_pretrained(input_dir, subfolder="transformer")
-            model = accelerator.unwrap_model(models.pop(), keep_torch_compile=False)
-            model.load_state_dict(loaded.state_dict())
+            unwrap(models.pop()).load_state_dict(loaded.state_dict())
         if ema_model is not None:
             loaded = EMAModel.from_pretrained(f"{input_dir}/transformer_ema", DiTTransformer2DModel)
             ema_model.load_state_dict(loaded.state_dict())
@@ -314,13 +314,15 @@ def main(args):
         # 8. Validation: guided samples from fixed noise, a row per class, EMA weights if any
         last_epoch = epoch == num_epochs - 1 or global_step >= max_train_steps
         if accelerator.is_main_process and (epoch % args.save_images_epochs == 0 or last_epoch):
-            log_validation(accelerator, args, model, ema_model, noise_scheduler, vae, global_step)
+            log_validation(
+                accelerator, args, unwrap(model), ema_model, noise_scheduler, vae, global_step
+            )
         if last_epoch:
             break
 
     # 9. Final save: a DiTPipeline folder (transformer/, scheduler/, vae/), EMA weights if any
     if accelerator.is_main_process:
-        transformer = accelerator.unwrap_model(model, keep_torch_compile=False)
+        transformer = unwrap(model)
         if ema_model is not None:
             ema_model.copy_to(transformer.parameters())
         if vae is not None:  # as on disk, not in the mixed-precision dtype
@@ -390,8 +392,8 @@ def preprocess(examples, args, augment, shape, epoch):
 
 
 def encode_latents(examples, args, augment, vae):
-    """The VAE posterior's moments (mean, log-variance) of each image, of both sides if flipping:
-    each step still draws its own latent z_0 = μ + σ·n from them. Raw float32 bytes, read fast."""
+    """Each image's VAE posterior, mean and log-variance, of both sides if flipping: each step
+    still draws its own latent z_0 = μ + σ·n. Raw float32 bytes, fast to read."""
     images = [augment(open_image(item).convert("RGB")) for item in examples[args.image_column]]
     pixels = torch.stack(images).to(vae.device, vae.dtype)
     sides = [pixels, pixels.flip(-1)] if args.random_flip else [pixels]
@@ -401,7 +403,7 @@ def encode_latents(examples, args, augment, vae):
 
 
 def build_transformer(args, num_classes, vae):
-    """A DiTTransformer2DModel from scratch, set up as the paper trains it, not as diffusers."""
+    """A DiTTransformer2DModel from scratch, closer to the paper's DiT than diffusers' defaults."""
     with clear_error(f"--model_config_name_or_path {args.model_config_name_or_path}"):
         config = DiTTransformer2DModel.load_config(args.model_config_name_or_path)
     channels = vae.config.latent_channels if vae else config.get("in_channels", 3)
@@ -411,7 +413,8 @@ def build_transformer(args, num_classes, vae):
     model = DiTTransformer2DModel.from_config(config, num_embeds_ada_norm=classes)
     # (1) Labels are dropped once per image, in the loop; dropped in each block apart, ∅ would
     # hardly ever be the whole condition. (2) adaLN-Zero: each block's modulation (shift, scale,
-    # gate) starts at zero, so each block starts as the identity; so do the final layers.
+    # gate) starts at zero, so each block starts as the identity; so do the final layers. (Each
+    # block keeps its own t, y embedders: tied, they would not save.)
     zeroed = [model.proj_out_1, model.proj_out_2]
     for block in model.transformer_blocks:
         block.norm1.emb.class_embedder.dropout_prob = 0.0
@@ -468,8 +471,7 @@ def resume_from_checkpoint(accelerator, args):
         return int(path.rsplit("-", 1)[1])
 
 
-def log_validation(accelerator, args, model, ema_model, noise_scheduler, vae, global_step):
-    transformer = accelerator.unwrap_model(model)
+def log_validation(accelerator, args, transformer, ema_model, noise_scheduler, vae, global_step):
     transformer.eval()  # no dropout while sampling
     if ema_model is not None:  # sample with the EMA weights, then put the trained ones back
         ema_model.store(transformer.parameters())

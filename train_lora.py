@@ -2,9 +2,8 @@
 """train_lora.py: teach Stable Diffusion 1.x a subject or a style with LoRA, on a few images.
 
 The training of train_text_to_image.py with the UNet frozen: LoRA (Hu et al. 2021) adds to the
-chosen linear layers W a low-rank update, W' = W + (α/r)·B·A with A: r x in and B: out x r, and
-trains only A and B. B starts at zero, so training starts from the base model. Rank 4 on SD
-1.5's attention is 0.8 M parameters (a 3 MB file) instead of the UNet's 860 M.
+chosen linear layers W a low-rank update W' = W + (α/r)·B·A (A: r x in; B: out x r, from zero)
+and trains only A and B. Rank 4 on SD 1.5's attention: 0.8 M parameters, not the UNet's 860 M.
 
     accelerate launch train_lora.py --pretrained_model_name_or_path PATH_OR_HUB_ID \
         --train_data_dir my_photos --instance_prompt "a photo of sks dog" --resolution 512
@@ -58,7 +57,7 @@ def parse_args(argv=None):
     p.add_argument("--image_column", default="image")
     p.add_argument("--caption_column", default="text", help="Captions (or lists).")
     p.add_argument("--caption_extension", default=".txt", help="Else caption files.")
-    p.add_argument("--instance_prompt", help="Else one caption for all.")
+    p.add_argument("--instance_prompt", help="One caption for all, over all others.")
     p.add_argument("--caption_dropout_rate", type=float, default=0.0)
     p.add_argument("--validation_prompts", "--validation_prompt", nargs="+")
     p.add_argument("--num_validation_images", type=int, default=4, help="Per prompt.")
@@ -101,7 +100,6 @@ def parse_args(argv=None):
     p.add_argument("--checkpoints_total_limit", type=int)
     p.add_argument("--resume_from_checkpoint", help='"latest" or a checkpoint-N name.')
     p.add_argument("--push_to_hub", action="store_true")
-    p.add_argument("--enable_xformers_memory_efficient_attention", action="store_true")
     args = p.parse_args(argv)
     if args.dataset_name is None and args.train_data_dir is None:
         p.error("give a dataset: --dataset_name or --train_data_dir")
@@ -127,6 +125,8 @@ def main(args):
         # the others wait up to 2 h while the main process validates
         kwargs_handlers=[InitProcessGroupKwargs(backend=gloo, timeout=timedelta(hours=2))],
     )
+    # a model itself: no DDP, DeepSpeed or torch.compile wrapper around it
+    unwrap = partial(accelerator.unwrap_model, keep_torch_compile=False)
     if accelerator.mixed_precision == "fp16" and accelerator.device.type == "cpu":
         raise SystemExit("error: --mixed_precision fp16 needs a GPU; on a CPU use bf16 or no")
     plugin = accelerator.state.deepspeed_plugin
@@ -174,8 +174,7 @@ def main(args):
     if args.gradient_checkpointing:
         model.enable_gradient_checkpointing()
         text_encoder.gradient_checkpointing_enable()
-    if args.enable_xformers_memory_efficient_attention:
-        model.enable_xformers_memory_efficient_attention()
+        text_encoder.train()  # transformers checkpoints in training mode only
     ema_model = EMAModel(lora_params) if args.use_ema else None  # of A and B alone
 
     # 4. Data: images resized, cropped, flipped, scaled to [-1, 1]; captions tokenized
@@ -195,7 +194,7 @@ def main(args):
         ]
     )
     if args.cache_latents:  # the frozen VAE encodes each image once, here, not in every epoch
-        key = [train_dataset._fingerprint, args.pretrained_model_name_or_path, args.resolution]
+        key = [train_dataset._fingerprint, path, args.variant, args.resolution]
         with accelerator.main_process_first():  # the others read its files
             train_dataset = train_dataset.map(
                 partial(encode_latents, args=args, augment=augment, vae=vae),
@@ -212,7 +211,7 @@ def main(args):
         batch_size=args.train_batch_size,
         shuffle=True,
         num_workers=args.dataloader_num_workers,
-        generator=torch.Generator().manual_seed(args.seed),  # not the global RNG: see the loop
+        generator=torch.Generator().manual_seed(args.seed),  # not the global RNG: see preprocess
     )
 
     # 5. Optimizer and LR schedule, over each process's share of the batches
@@ -253,20 +252,21 @@ def main(args):
     #    load_lora_weights reads. DeepSpeed stores its model itself, the LoRA alone too.
     def save_model_hook(models, weights, output_dir):
         if accelerator.is_main_process:
-            save_lora(output_dir, *[accelerator.unwrap_model(m) for m in models])
+            save_lora(output_dir, *map(unwrap, models))
         if accelerator.is_main_process and ema_model is not None:
             torch.save(ema_model.state_dict(), f"{output_dir}/lora_ema.pt")
-        weights.clear()  # not the frozen base model
+        weights.clear()  # saved above
 
     def load_model_hook(models, input_dir):
         if models:  # the UNet, then the text encoder if it learns
             lora = load_file(f"{input_dir}/pytorch_lora_weights.safetensors")
             for model, prefix in zip(models, ["unet.", "text_encoder."]):
                 layers = {k[len(prefix) :]: v for k, v in lora.items() if k.startswith(prefix)}
-                set_peft_model_state_dict(accelerator.unwrap_model(model), layers)
+                if set_peft_model_state_dict(unwrap(model), layers).unexpected_keys:
+                    raise ValueError(f"{input_dir} holds LoRA layers this run does not have")
             models.clear()
         if ema_model is not None:
-            ema_model.load_state_dict(torch.load(f"{input_dir}/lora_ema.pt"))
+            ema_model.load_state_dict(torch.load(f"{input_dir}/lora_ema.pt", map_location="cpu"))
             ema_model.to(accelerator.device)
 
     accelerator.register_save_state_pre_hook(save_model_hook)
@@ -355,9 +355,11 @@ def main(args):
         validate = args.validation_prompts and (epoch % args.validation_epochs == 0 or last_epoch)
         if validate and accelerator.is_main_process:
             sampler = DPMSolverMultistepScheduler.from_config(noise_scheduler.config)
-            encoder = accelerator.unwrap_model(text_encoder)
+            encoder = unwrap(text_encoder)
             parts = dict(vae=vae, text_encoder=encoder, tokenizer=tokenizer, scheduler=sampler)
-            log_validation(accelerator, args, model, ema_model, parts, global_step, lora_params)
+            log_validation(
+                accelerator, args, unwrap(model), ema_model, parts, global_step, lora_params
+            )
         if last_epoch:
             break
 
@@ -367,7 +369,7 @@ def main(args):
     if accelerator.is_main_process:
         if ema_model is not None:
             ema_model.copy_to(lora_params)
-        unet, text_encoder = accelerator.unwrap_model(model), accelerator.unwrap_model(text_encoder)
+        unet, text_encoder = unwrap(model), unwrap(text_encoder)
         save_lora(args.output_dir, unet, text_encoder if args.train_text_encoder else None)
         save_kohya(args, unet, text_encoder if args.train_text_encoder else None)
         logger.info(f"Saved to {args.output_dir}")
@@ -447,8 +449,8 @@ def preprocess(examples, args, augment, tokenizer, shape, epoch):
 
 
 def encode_latents(examples, args, augment, vae):
-    """The VAE posterior's moments (mean, log-variance) of each image, of both sides if flipping:
-    each step still draws its own latent z_0 = μ + σ·n from them. Raw float32 bytes, read fast."""
+    """Each image's VAE posterior, mean and log-variance, of both sides if flipping: each step
+    still draws its own latent z_0 = μ + σ·n. Raw float32 bytes, fast to read."""
     images = [augment(open_image(item).convert("RGB")) for item in examples[args.image_column]]
     pixels = torch.stack(images).to(vae.device, vae.dtype)
     sides = [pixels, pixels.flip(-1)] if args.random_flip else [pixels]
@@ -504,9 +506,8 @@ def resume_from_checkpoint(accelerator, args):
         return int(path.rsplit("-", 1)[1])
 
 
-def log_validation(accelerator, args, model, ema_model, parts, global_step, lora_params):
+def log_validation(accelerator, args, unet, ema_model, parts, global_step, lora_params):
     """A row per prompt: its images at LoRA scale 0 (the base model), then at scale 1."""
-    unet = accelerator.unwrap_model(model)
     unet.eval()  # no dropout while sampling
     if ema_model is not None:  # sample with the EMA weights, then put the trained ones back
         ema_model.store(lora_params)

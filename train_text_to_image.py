@@ -56,7 +56,7 @@ def parse_args(argv=None):
     p.add_argument("--image_column", default="image")
     p.add_argument("--caption_column", default="text", help="Captions (or lists).")
     p.add_argument("--caption_extension", default=".txt", help="Else caption files.")
-    p.add_argument("--instance_prompt", help="Else one caption for all.")
+    p.add_argument("--instance_prompt", help="One caption for all, over all others.")
     p.add_argument("--caption_dropout_rate", type=float, default=0.0)
     p.add_argument("--validation_prompts", nargs="+")
     p.add_argument("--validation_epochs", type=int, default=5)
@@ -95,7 +95,6 @@ def parse_args(argv=None):
     p.add_argument("--checkpoints_total_limit", type=int)
     p.add_argument("--resume_from_checkpoint", help='"latest" or a checkpoint-N name.')
     p.add_argument("--push_to_hub", action="store_true")
-    p.add_argument("--enable_xformers_memory_efficient_attention", action="store_true")
     args = p.parse_args(argv)
     if args.dataset_name is None and args.train_data_dir is None:
         p.error("give a dataset: --dataset_name or --train_data_dir")
@@ -120,6 +119,8 @@ def main(args):
         # the others wait up to 2 h while the main process validates
         kwargs_handlers=[InitProcessGroupKwargs(backend=gloo, timeout=timedelta(hours=2))],
     )
+    # a model itself: no DDP, DeepSpeed or torch.compile wrapper around it
+    unwrap = partial(accelerator.unwrap_model, keep_torch_compile=False)
     if accelerator.mixed_precision == "fp16" and accelerator.device.type == "cpu":
         raise SystemExit("error: --mixed_precision fp16 needs a GPU; on a CPU use bf16 or no")
     plugin = accelerator.state.deepspeed_plugin
@@ -159,8 +160,6 @@ def main(args):
     text_encoder.requires_grad_(False).to(accelerator.device, dtype=weight_dtype)
     if args.gradient_checkpointing:
         model.enable_gradient_checkpointing()
-    if args.enable_xformers_memory_efficient_attention:
-        model.enable_xformers_memory_efficient_attention()
     ema_model = None
     if args.use_ema:
         ema_model = EMAModel(
@@ -184,7 +183,7 @@ def main(args):
         ]
     )
     if args.cache_latents:  # the frozen VAE encodes each image once, here, not in every epoch
-        key = [train_dataset._fingerprint, args.pretrained_model_name_or_path, args.resolution]
+        key = [train_dataset._fingerprint, path, args.variant, args.resolution]
         with accelerator.main_process_first():  # the others read its files
             train_dataset = train_dataset.map(
                 partial(encode_latents, args=args, augment=augment, vae=vae),
@@ -201,7 +200,7 @@ def main(args):
         batch_size=args.train_batch_size,
         shuffle=True,
         num_workers=args.dataloader_num_workers,
-        generator=torch.Generator().manual_seed(args.seed),  # not the global RNG: see the loop
+        generator=torch.Generator().manual_seed(args.seed),  # not the global RNG: see preprocess
     )
 
     # 5. Optimizer and LR schedule, over each process's share of the batches
@@ -237,20 +236,18 @@ def main(args):
 
     # 6. Checkpoint hooks and resume. save_state stores the optimizer, LR schedule and the RNG
     #    states of every process; the hooks store the model (and EMA) as `from_pretrained`
-    #    folders, as the Diffusers examples do. DeepSpeed stores its model itself.
+    #    folders, as the Diffusers examples do (and DeepSpeed its own copy; under ZeRO-3 only that).
     def save_model_hook(models, weights, output_dir):
-        if accelerator.is_main_process and weights:
-            accelerator.unwrap_model(models[0]).save_pretrained(f"{output_dir}/unet")
+        if accelerator.is_main_process and not sharded:
+            unwrap(models[0]).save_pretrained(f"{output_dir}/unet")
         if accelerator.is_main_process and ema_model is not None:
             ema_model.save_pretrained(f"{output_dir}/unet_ema")
-        if weights:
-            weights.pop()  # saved above
+        weights.clear()  # saved above
 
     def load_model_hook(models, input_dir):
         if models:
             loaded = UNet2DConditionModel.from_pretrained(input_dir, subfolder="unet")
-            model = accelerator.unwrap_model(models.pop(), keep_torch_compile=False)
-            model.load_state_dict(loaded.state_dict())
+            unwrap(models.pop()).load_state_dict(loaded.state_dict())
         if ema_model is not None:
             loaded = EMAModel.from_pretrained(f"{input_dir}/unet_ema", UNet2DConditionModel)
             ema_model.load_state_dict(loaded.state_dict())
@@ -345,16 +342,18 @@ def main(args):
         if validate and (accelerator.is_main_process or sharded):
             sampler = DPMSolverMultistepScheduler.from_config(noise_scheduler.config)
             parts = dict(vae=vae, text_encoder=text_encoder, tokenizer=tokenizer, scheduler=sampler)
-            log_validation(accelerator, args, model, ema_model, parts, global_step)
+            log_validation(accelerator, args, unwrap(model), ema_model, parts, global_step)
         if last_epoch:
             break
 
     # 9. Final save: the whole pipeline, the base's frozen parts as they are on disk, the UNet
     #    (EMA weights if any) gathered from every process under ZeRO-3
-    state_dict = accelerator.get_state_dict(model)
+    state_dict = accelerator.get_state_dict(model) if sharded else None  # every process gathers
     if accelerator.is_main_process:
-        unet = UNet2DConditionModel.from_config(accelerator.unwrap_model(model).config)
-        unet.load_state_dict(state_dict)
+        unet = unwrap(model)
+        if sharded:
+            unet = UNet2DConditionModel.from_config(unet.config)
+            unet.load_state_dict(state_dict)
         if ema_model is not None:
             ema_model.copy_to(unet.parameters())
         pipeline = StableDiffusionPipeline.from_pretrained(path, unet=unet, **load)
@@ -440,8 +439,8 @@ def preprocess(examples, args, augment, tokenizer, shape, epoch):
 
 
 def encode_latents(examples, args, augment, vae):
-    """The VAE posterior's moments (mean, log-variance) of each image, of both sides if flipping:
-    each step still draws its own latent z_0 = μ + σ·n from them. Raw float32 bytes, read fast."""
+    """Each image's VAE posterior, mean and log-variance, of both sides if flipping: each step
+    still draws its own latent z_0 = μ + σ·n. Raw float32 bytes, fast to read."""
     images = [augment(open_image(item).convert("RGB")) for item in examples[args.image_column]]
     pixels = torch.stack(images).to(vae.device, vae.dtype)
     sides = [pixels, pixels.flip(-1)] if args.random_flip else [pixels]
@@ -496,8 +495,7 @@ def resume_from_checkpoint(accelerator, args):
         return int(path.rsplit("-", 1)[1])
 
 
-def log_validation(accelerator, args, model, ema_model, parts, global_step):
-    unet = accelerator.unwrap_model(model)
+def log_validation(accelerator, args, unet, ema_model, parts, global_step):
     unet.eval()  # no dropout while sampling
     if ema_model is not None:  # sample with the EMA weights, then put the trained ones back
         ema_model.store(unet.parameters())

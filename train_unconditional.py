@@ -101,6 +101,8 @@ def main(args):
         # the others wait up to 2 h while the main process validates
         kwargs_handlers=[InitProcessGroupKwargs(backend=gloo, timeout=timedelta(hours=2))],
     )
+    # a model itself: no DDP, DeepSpeed or torch.compile wrapper around it
+    unwrap = partial(accelerator.unwrap_model, keep_torch_compile=False)
     if accelerator.mixed_precision == "fp16" and accelerator.device.type == "cpu":
         raise SystemExit("error: --mixed_precision fp16 needs a GPU; on a CPU use bf16 or no")
     plugin = accelerator.state.deepspeed_plugin
@@ -162,7 +164,7 @@ def main(args):
         batch_size=args.train_batch_size,
         shuffle=True,
         num_workers=args.dataloader_num_workers,
-        generator=torch.Generator().manual_seed(args.seed),  # not the global RNG: see the loop
+        generator=torch.Generator().manual_seed(args.seed),  # not the global RNG: see preprocess
     )
 
     # 5. Optimizer and LR schedule, over each process's share of the batches
@@ -195,20 +197,18 @@ def main(args):
 
     # 6. Checkpoint hooks and resume. save_state stores the optimizer, LR schedule and the RNG
     #    states of every process; the hooks store the model (and EMA) as `from_pretrained`
-    #    folders, as the Diffusers examples do. DeepSpeed stores its model itself.
+    #    folders, as the Diffusers examples do (DeepSpeed keeps a copy of its own too).
     def save_model_hook(models, weights, output_dir):
-        if accelerator.is_main_process and weights:
-            accelerator.unwrap_model(models[0]).save_pretrained(f"{output_dir}/unet")
+        if accelerator.is_main_process:
+            unwrap(models[0]).save_pretrained(f"{output_dir}/unet")
         if accelerator.is_main_process and ema_model is not None:
             ema_model.save_pretrained(f"{output_dir}/unet_ema")
-        if weights:
-            weights.pop()  # saved above
+        weights.clear()  # saved above
 
     def load_model_hook(models, input_dir):
         if models:
             loaded = UNet2DModel.from_pretrained(input_dir, subfolder="unet")
-            model = accelerator.unwrap_model(models.pop(), keep_torch_compile=False)
-            model.load_state_dict(loaded.state_dict())
+            unwrap(models.pop()).load_state_dict(loaded.state_dict())
         if ema_model is not None:
             loaded = EMAModel.from_pretrained(f"{input_dir}/unet_ema", UNet2DModel)
             ema_model.load_state_dict(loaded.state_dict())
@@ -287,13 +287,15 @@ def main(args):
         # 8. Validation: images from fixed noise by Algorithm 2, with the EMA weights if any
         last_epoch = epoch == num_epochs - 1 or global_step >= max_train_steps
         if accelerator.is_main_process and (epoch % args.save_images_epochs == 0 or last_epoch):
-            log_validation(accelerator, args, model, ema_model, noise_scheduler, global_step)
+            log_validation(
+                accelerator, args, unwrap(model), ema_model, noise_scheduler, global_step
+            )
         if last_epoch:
             break
 
     # 9. Final save: a folder that DDPMPipeline.from_pretrained loads, EMA weights if any
     if accelerator.is_main_process:
-        unet = accelerator.unwrap_model(model, keep_torch_compile=False)
+        unet = unwrap(model)
         if ema_model is not None:
             ema_model.copy_to(unet.parameters())
         DDPMPipeline(unet=unet, scheduler=noise_scheduler).save_pretrained(args.output_dir)
@@ -399,8 +401,7 @@ def resume_from_checkpoint(accelerator, args):
         return int(path.rsplit("-", 1)[1])
 
 
-def log_validation(accelerator, args, model, ema_model, noise_scheduler, global_step):
-    unet = accelerator.unwrap_model(model)
+def log_validation(accelerator, args, unet, ema_model, noise_scheduler, global_step):
     unet.eval()  # no dropout while sampling
     pipeline = DDPMPipeline(unet=unet, scheduler=DDPMScheduler.from_config(noise_scheduler.config))
     pipeline.set_progress_bar_config(disable=True)

@@ -425,7 +425,7 @@ def preprocess(examples, args, augment, tokenizer, shape, epoch):
             else:
                 pixels = augment(open_image(examples[args.image_column][i]).convert("RGB"))
                 batch["pixel_values"].append(pixels.flip(-1) if flip else pixels)
-            caption = args.instance_prompt or examples[args.caption_column][i]
+            caption = args.instance_prompt or examples[args.caption_column][i] or ""  # None: ∅
             if not isinstance(caption, str):  # a list of captions: one of them
                 caption = caption[torch.randint(len(caption), ())]
             if torch.rand(()) < args.caption_dropout_rate:  # the empty prompt ∅, for guidance

@@ -64,7 +64,7 @@ itself then runs out of memory at that batch, it is halved. The table says which
 #     --center_crop --resolution 256 --train_batch_size B --max_train_steps STEPS
 #     --mixed_precision bf16 --output_dir <a temporary folder> --logger none
 #     --checkpointing_steps 1000000 --seed 0 --save_images_epochs 1000000
-#     --eval_batch_size 1 --num_inference_steps 1
+#     --eval_batch_size 1 --num_inference_steps 1 --dataloader_num_workers 4 (--tiny: 0)
 #   (train_dit.py samples after epoch 0 and at the end, whatever --save_images_epochs says: the
 #   last two flags make that one image per class in one step, and the data is --warmup - 1
 #   batches, so that epoch 0 ends before the timed steps)
@@ -467,6 +467,7 @@ def script_command(args, row, pipeline, data, output_dir):
         common += ["--cache_latents", "--center_crop", "--resolution", args.dit_resolution]
         common += ["--logger", "none", "--save_images_epochs", NEVER]
         common += ["--eval_batch_size", 1, "--num_inference_steps", 1]
+        common += ["--dataloader_num_workers", args.dit_workers]
     else:
         ours = row.script == "ours"
         script = REPO / OURS[row.model] if ours else args.reference_dir / REFERENCE[row.model]
@@ -762,6 +763,7 @@ def parse_args(argv=None):
     p.add_argument("--rows_of_data", type=int, default=64, help="Images in the SD data folder.")
     p.add_argument("--dit_batch", type=int, help="This DiT batch; no search.")
     p.add_argument("--max_dit_batch", type=int, default=1024, help="Where the search stops.")
+    p.add_argument("--dit_workers", type=int, help="DiT rows' dataloader workers (4; --tiny 0).")
     p.add_argument("--peak_tflops", type=float, help="The GPU's dense bf16 peak, for MFU.")
     p.add_argument("--timeout", type=int, default=600, help="Seconds a row may take.")
     p.add_argument("--dry_run", action="store_true", help="Print the row ids and commands.")
@@ -771,6 +773,7 @@ def parse_args(argv=None):
     args.resolution = 64 if args.tiny else 512
     args.dit_resolution = args.dit_resolution or (64 if args.tiny else 256)
     args.steps = args.steps or (5 if args.tiny else 20)
+    args.dit_workers = args.dit_workers if args.dit_workers is not None else (0 if args.tiny else 4)
     args.warmup = args.warmup if args.warmup is not None else (1 if args.tiny else 5)
     if not 1 <= args.warmup < args.steps:
         p.error("--warmup must be at least 1 (the first step has no start) and below --steps")
@@ -811,6 +814,7 @@ def main():
     started = time.perf_counter()
     pipeline = pipeline_folder(args)
     sd_data = photo_folder(args.work_dir, args.resolution, args.rows_of_data)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
     for row in rows:
         if row.model.startswith("dit") and not row.batch:  # found once per model
             known = next((r.batch for r in rows if r.model == row.model and r.batch), None)
@@ -844,6 +848,7 @@ def main():
         log(f"{row.id}: {outcome} ({row.result['seconds']:.0f} s; log {row.result['log']})")
         if row.result.get("device") and not args.tiny and row.result["device"] != device:
             notes.append(f"{row.id} ran on {row.result['device']}")
+        args.out.write_text(format_table(args, rows, device, peak, notes))  # a cut run keeps rows
     minutes = (time.perf_counter() - started) / 60
     notes.append(f"the whole table took {minutes:.1f} min, building included")
     notes.append(f"logs: {args.work_dir / 'logs'}")
@@ -854,7 +859,6 @@ def main():
         judged = " (on a CPU they mean nothing)" if args.tiny else ""
         table += f"\nGoals{judged}:\n\n" + "".join(f"- {goal}\n" for goal in goals(rows, peak))
     print(table)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(table)
     log(f"written to {args.out}")
 

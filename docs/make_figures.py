@@ -35,7 +35,7 @@ SCHEDULES = {  # as diffusers' DDPMScheduler builds them: (beta_schedule, beta_s
 }
 FIGURES = ["forward-process.png", "schedules.png", "min-snr-weights.png", "loss-curves.png",
            "unconditional-over-training.png", "dit-over-training.png", "dit-guidance.png", "tiny-vae.png",
-           "text-to-image-over-training.png", "lora-before-after.png"]
+           "text-to-image-over-training.png", "text-to-image-per-digit.png", "lora-before-after.png"]
 
 
 def caption(fig, text):
@@ -124,7 +124,8 @@ def grids_over_training(run, out, name, title, crop=None):
     """The validation grids a run saved as output_dir/samples/step-N.png, side by side."""
     files = sorted(Path(run, "samples").glob("step-*.png"), key=lambda p: int(p.stem[5:]))
     files = files if len(files) <= 4 else [files[i] for i in np.linspace(0, len(files) - 1, 4).astype(int)]
-    fig, axes = plt.subplots(1, len(files), figsize=(3.2 * len(files), 3.4), squeeze=False)
+    width, height = Image.open(files[0]).size
+    fig, axes = plt.subplots(1, len(files), figsize=(3.2 * len(files), 0.6 + 3.2 * height / width), squeeze=False)
     for ax, file in zip(axes[0], files):
         image = Image.open(file)
         ax.imshow(image.crop(crop(image)) if crop else image, interpolation="nearest")
@@ -182,12 +183,39 @@ def tiny_vae(runs, out):
     fig.savefig(out / "tiny-vae.png", dpi=130, bbox_inches="tight")
 
 
-def lora_before_after(runs, out):
+def sd_pipeline(folder):
+    """A saved StableDiffusionPipeline with DPM-Solver, as the scripts' validation samples."""
     from diffusers import DPMSolverMultistepScheduler, StableDiffusionPipeline
 
-    pipe = StableDiffusionPipeline.from_pretrained(runs["text_to_image"])
+    pipe = StableDiffusionPipeline.from_pretrained(folder)
     pipe.scheduler = DPMSolverMultistepScheduler.from_config(pipe.scheduler.config)
     pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def text_to_image_per_digit(runs, out):
+    sys.path.insert(0, str(REPO / "tests"))
+    from test_learning import digit_probabilities  # the demos' judge
+
+    pipe = sd_pipeline(runs["text_to_image"])
+    images = pipe(PROMPTS, num_images_per_prompt=20, num_inference_steps=25, guidance_scale=3.0,
+                  generator=torch.manual_seed(0), output_type="np").images
+    read = digit_probabilities(images).argmax(1).reshape(10, 20) == np.arange(10)[:, None]
+    fig, ax = plt.subplots(figsize=(9, 4.3))
+    ax.imshow(images.reshape(10, 20, 16, 16, 3).transpose(0, 2, 1, 3, 4).reshape(160, 320, 3),
+              interpolation="nearest")
+    ax.set_yticks(np.arange(10) * 16 + 7.5, [f"{p.split()[-1]}: {r.mean():.0%}" for p, r in zip(PROMPTS, read)],
+                  fontsize=8)
+    ax.set_xticks([])
+    ax.set_title(f"'a handwritten digit ...', 20 samples a prompt: {read.mean():.1%} read as the digit asked for",
+                 fontsize=9)
+    caption(fig, f"{runs['text_to_image'].name}, DPM-Solver 25 steps, guidance 3; row labels: the share the "
+                 "digits classifier of tests/test_learning.py reads as that digit.")
+    fig.savefig(out / "text-to-image-per-digit.png", dpi=130, bbox_inches="tight")
+
+
+def lora_before_after(runs, out):
+    pipe = sd_pipeline(runs["text_to_image"])
     pipe.load_lora_weights(runs["lora"])
     prompts = [p.replace("a handwritten", "a bold handwritten") for p in PROMPTS]
     fig, axes = plt.subplots(1, 2, figsize=(9, 2.3))
@@ -257,6 +285,7 @@ def main(argv=None):
         tiny_vae(runs, args.out)
         grids_over_training(runs["text_to_image"], args.out, "text-to-image-over-training.png",
                             "train_text_to_image.py: 'a handwritten digit zero' ... 'nine', guidance 3")
+        text_to_image_per_digit(runs, args.out)
         lora_before_after(runs, args.out)
         plt.close("all")
     missing = [name for name in FIGURES if not (args.out / name).exists()]

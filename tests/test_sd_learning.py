@@ -3,7 +3,7 @@
 the digits' captions; train_lora.py then teaches it a style it never saw, bold strokes, behind the word "bold".
 
 In CI: the pipeline with a briefly trained VAE and a few steps of each script: the denoising loss on held-out images
-falls, and the LoRA makes the samples bolder. `FULL_RUNS=1 pytest tests/test_sd_learning.py -s` runs the README
+falls, and the LoRA makes 50 samples bolder. `FULL_RUNS=1 pytest tests/test_sd_learning.py -s` runs the README
 demos (about 20 minutes on 2 CPU cores) and prints the figures quoted there.
 """
 
@@ -139,7 +139,7 @@ def test_lora_teaches_the_bold_style_and_keeps_the_digits(digits_model, tmp_path
     ink, read_images = tool("make_bold_digits").ink, tool("make_bold_digits").read_images
     out = tmp_path / "bold-lora"
     data = DATA / "bold-digits" if FULL else subset(DATA / "bold-digits", range(250), tmp_path / "train")
-    steps = [] if FULL else ["--max_train_steps", "150", "--validation_epochs", "100", "--num_inference_steps", "5"]
+    steps = [] if FULL else ["--max_train_steps", "300", "--validation_epochs", "100", "--num_inference_steps", "5"]
     start = time.perf_counter()
     run_script("train_lora.py", ["--pretrained_model_name_or_path", digits_model, *LORA, "--train_data_dir", data, *steps,
                                  "--output_dir", out], env={"OMP_NUM_THREADS": str(os.cpu_count())}, timeout=3600)
@@ -151,7 +151,7 @@ def test_lora_teaches_the_bold_style_and_keeps_the_digits(digits_model, tmp_path
     without = denoising_loss(pipe, held_out, captions)
     pipe.load_lora_weights(out)
     with_lora = denoising_loss(pipe, held_out, captions)
-    per_prompt = 10 if FULL else 2
+    per_prompt = 10 if FULL else 5
     off = draw(pipe, BOLD_PROMPTS, per_prompt, cross_attention_kwargs={"scale": 0.0})
     on = draw(pipe, BOLD_PROMPTS, per_prompt)
     print(f"held-out bold digits' denoising loss: {without:.3f} without the LoRA, {with_lora:.3f} with it")

@@ -109,6 +109,20 @@ def test_one_caption_of_a_list_is_drawn(tmp_path, tiny_sd_path):
     assert len({c.split()[1] for c in captions}) == 2  # both kinds drawn
 
 
+def test_a_missing_caption_is_the_empty_prompt(tmp_path, tiny_sd_path):
+    import json
+
+    from conftest import write_imagefolder
+
+    folder = write_imagefolder(tmp_path / "gaps", 12)
+    rows = [json.loads(line) for line in open(f"{folder}/metadata.jsonl")]
+    with open(f"{folder}/metadata.jsonl", "w") as f:
+        for i, row in enumerate(rows):
+            f.write(json.dumps({**row, "text": None if i % 3 == 0 else row["text"]}) + "\n")
+    captions = captions_of(folder, tiny_sd_path)
+    assert captions == ["" if i % 3 == 0 else row["text"] for i, row in enumerate(rows)]
+
+
 def test_cached_latents_train(common, tmp_path):
     from diffusers import StableDiffusionPipeline
 

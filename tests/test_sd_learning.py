@@ -96,20 +96,21 @@ def asked_for(images, per_prompt):
 
 @pytest.fixture(scope="module")
 def base(tmp_path_factory):
-    """data/make_tiny_sd.py's pipeline: the full build, or in CI one with a VAE of 100 steps."""
+    """data/make_tiny_sd.py's pipeline: the full build, or in CI one with a VAE of 300 steps (fewer
+    draw bold strokes too thin for the LoRA test to see)."""
     out = tmp_path_factory.mktemp("tiny-sd")
     start = time.perf_counter()
-    tool("make_tiny_sd").main(["--output_dir", str(out), *([] if FULL else ["--vae_steps", "100"])])
+    tool("make_tiny_sd").main(["--output_dir", str(out), *([] if FULL else ["--vae_steps", "300"])])
     print(f"\nbuilt the tiny pipeline in {time.perf_counter() - start:.0f} s")
     return out
 
 
 @pytest.fixture(scope="module")
 def digits_model(base, tmp_path_factory):
-    """The text-to-image demo: on all the digits (FULL), or 100 steps on 1,500 of them."""
+    """The text-to-image demo: on all the digits (FULL), or 300 steps on 1,500 of them."""
     out = tmp_path_factory.mktemp("sd-digits") / "out"
     data = DATA / "digits" if FULL else subset(DATA / "digits", range(1500), out.parent / "train")
-    steps = [] if FULL else ["--max_train_steps", "100", "--validation_epochs", "100", "--num_inference_steps", "5"]
+    steps = [] if FULL else ["--max_train_steps", "300", "--validation_epochs", "100", "--num_inference_steps", "5"]
     start = time.perf_counter()
     run_script("train_text_to_image.py", ["--pretrained_model_name_or_path", base, *TEXT_TO_IMAGE,
                                           "--train_data_dir", data, *steps, "--output_dir", out],
@@ -139,7 +140,7 @@ def test_lora_teaches_the_bold_style_and_keeps_the_digits(digits_model, tmp_path
     ink, read_images = tool("make_bold_digits").ink, tool("make_bold_digits").read_images
     out = tmp_path / "bold-lora"
     data = DATA / "bold-digits" if FULL else subset(DATA / "bold-digits", range(250), tmp_path / "train")
-    steps = [] if FULL else ["--max_train_steps", "300", "--validation_epochs", "100", "--num_inference_steps", "5"]
+    steps = [] if FULL else ["--max_train_steps", "800", "--validation_epochs", "100", "--num_inference_steps", "5"]
     start = time.perf_counter()
     run_script("train_lora.py", ["--pretrained_model_name_or_path", digits_model, *LORA, "--train_data_dir", data, *steps,
                                  "--output_dir", out], env={"OMP_NUM_THREADS": str(os.cpu_count())}, timeout=3600)

@@ -15,6 +15,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
 from functools import cache
 from pathlib import Path
 
@@ -186,6 +187,19 @@ def digits_folder(tmp_path_factory):
 def sd_folder(tmp_path_factory):
     """12 captioned digits of 72 x 80 px, for the 64 px Stable Diffusion runs."""
     return write_imagefolder(tmp_path_factory.mktemp("sd_digits"), 12, size=(72, 80))
+
+
+@pytest.fixture(scope="session")
+def demo_sd(tmp_path_factory):
+    """data/make_tiny_sd.py's pipeline for the SD demos and its VAE's figures: the full build with
+    FULL_RUNS=1, else one with a VAE of 300 steps (fewer draw bold strokes too thin to tell)."""
+    out = tmp_path_factory.mktemp("demo-sd")
+    sys.path.append(str(REPO / "data"))
+    full = os.environ.get("FULL_RUNS") == "1"
+    start = time.perf_counter()
+    figures = __import__("make_tiny_sd").main(["--output_dir", str(out), *([] if full else ["--vae_steps", "300"])])
+    print(f"\nbuilt the tiny pipeline in {time.perf_counter() - start:.0f} s")
+    return out, figures
 
 
 @pytest.fixture(scope="session")

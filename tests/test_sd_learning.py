@@ -95,14 +95,9 @@ def asked_for(images, per_prompt):
 
 
 @pytest.fixture(scope="module")
-def base(tmp_path_factory):
-    """data/make_tiny_sd.py's pipeline: the full build, or in CI one with a VAE of 300 steps (fewer
-    draw bold strokes too thin for the LoRA test to see)."""
-    out = tmp_path_factory.mktemp("tiny-sd")
-    start = time.perf_counter()
-    tool("make_tiny_sd").main(["--output_dir", str(out), *([] if FULL else ["--vae_steps", "300"])])
-    print(f"\nbuilt the tiny pipeline in {time.perf_counter() - start:.0f} s")
-    return out
+def base(demo_sd):
+    """data/make_tiny_sd.py's pipeline (conftest: the full build, or a VAE of 300 steps in CI)."""
+    return demo_sd[0]
 
 
 @pytest.fixture(scope="module")

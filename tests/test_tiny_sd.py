@@ -1,6 +1,6 @@
 """data/make_tiny_sd.py (the demos' tiny SD 1.x pipeline) and data/make_bold_digits.py (the LoRA
-demo's style data). CI builds the pipeline with a 5-step VAE; FULL_RUNS=1 also builds it at full
-size and checks the VAE's figures (minutes on 2 CPU cores)."""
+demo's style data). The checks of the tool build it with a 5-step VAE; the VAE's figures are
+checked on the SD demos' build (conftest's demo_sd: 300 VAE steps in CI, full size with FULL_RUNS=1)."""
 
 import importlib
 import json
@@ -118,10 +118,12 @@ def test_build_is_seeded(tiny_sd, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not FULL, reason="the full-size build (FULL_RUNS=1)")
-def test_full_vae_draws_digits_and_bold_digits(tmp_path):
-    figures = tool("make_tiny_sd").main(["--output_dir", str(tmp_path)])
-    digits, bold = figures["digits"], figures["bold digits"]
+def test_the_demos_vae_draws_digits_and_bold_digits(demo_sd):
+    """The SD demos' VAE (conftest: full size with FULL_RUNS=1, 300 steps in CI): the classifier
+    reads its reconstructions, and they keep the bold digits' extra ink (most of it, full size)."""
+    digits, bold = demo_sd[1]["digits"], demo_sd[1]["bold digits"]
+    print(f"read again: {digits['read_again']:.1%} digits, {bold['read_again']:.1%} bold; ink again:"
+          f" {digits['ink_again']:.3f} digits, {bold['ink_again']:.3f} bold")
     assert digits["read_again"] >= 0.9 and bold["read_again"] >= 0.9
-    # the style survives the VAE: bold reconstructions keep most of their extra ink
-    assert bold["ink_again"] - digits["ink_again"] > 0.5 * (bold["ink"] - digits["ink"])
+    kept = (bold["ink_again"] - digits["ink_again"]) / (bold["ink"] - digits["ink"])
+    assert kept > (0.5 if FULL else 0.2)

@@ -175,7 +175,7 @@ def main(args):
                 remove_columns=args.image_column,
                 new_fingerprint=Hasher.hash(key),
             )
-    shape = (2 * model.config.in_channels, *[model.config.sample_size] * 2)  # latent μ and log σ²
+    shape = (2 * model.config.in_channels, *[model.config.sample_size] * 2)  # latent μ, log σ²
     transform = partial(preprocess, args=args, augment=augment, shape=shape)
     train_dataloader = torch.utils.data.DataLoader(
         train_dataset,
@@ -268,7 +268,7 @@ def main(args):
                 bsz, device = len(clean_images), clean_images.device
                 T = noise_scheduler.config.num_train_timesteps  # t ~ U{0, ..., T-1}:
                 timesteps = torch.randint(0, T, (bsz,), device=device)
-                # for guidance, the paper's label dropout: y becomes ∅ with p = --class_dropout_prob
+                # the paper's label dropout, for guidance: y = ∅ with p = --class_dropout_prob
                 dropped = torch.rand(bsz, device=device) < args.class_dropout_prob
                 class_labels = batch["class_labels"].masked_fill(dropped, null_class)
                 # the forward process in closed form: x_t = √ᾱ_t·x_0 + √(1-ᾱ_t)·ε
@@ -426,8 +426,8 @@ def build_transformer(args, num_classes, vae):
 
 
 def min_snr_weights(noise_scheduler, timesteps, snr_gamma):
-    """Min-SNR-γ (Hang et al. 2023): weights min(SNR(t), γ) / SNR(t), or / (SNR(t) + 1) for v, with
-    SNR(t) = ᾱ_t / (1 - ᾱ_t): the nearly clean, easy timesteps no longer dominate the gradient."""
+    """Min-SNR-γ (Hang et al. 2023): weights min(SNR(t), γ) / SNR(t), or / (SNR(t) + 1) for v;
+    SNR(t) = ᾱ_t / (1 - ᾱ_t). The nearly clean timesteps no longer dominate the gradient."""
     snr = compute_snr(noise_scheduler, timesteps)
     v_target = noise_scheduler.config.prediction_type == "v_prediction"
     return snr.clamp(max=snr_gamma) / (snr + 1 if v_target else snr)

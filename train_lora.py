@@ -77,7 +77,7 @@ def parse_args(argv=None):
     p.add_argument("--gradient_accumulation_steps", type=int, default=1)
     p.add_argument("--gradient_checkpointing", action="store_true")
     p.add_argument("--rank", type=int, default=4, help="r of each LoRA update.")
-    p.add_argument("--lora_alpha", type=float, help="The update's scale is α/r; α = r if not set.")
+    p.add_argument("--lora_alpha", type=float, help="The update's scale α/r; α = r if unset.")
     p.add_argument("--lora_target_modules", default="to_k,to_q,to_v,to_out.0", help="UNet layers.")
     p.add_argument("--train_text_encoder", action="store_true", help="CLIP's attention too.")
     p.add_argument("--learning_rate", type=float, default=1e-4)
@@ -460,8 +460,8 @@ def encode_latents(examples, args, augment, vae):
 
 
 def min_snr_weights(noise_scheduler, timesteps, snr_gamma):
-    """Min-SNR-γ (Hang et al. 2023): weights min(SNR(t), γ) / SNR(t), or / (SNR(t) + 1) for v, with
-    SNR(t) = ᾱ_t / (1 - ᾱ_t): the nearly clean, easy timesteps no longer dominate the gradient."""
+    """Min-SNR-γ (Hang et al. 2023): weights min(SNR(t), γ) / SNR(t), or / (SNR(t) + 1) for v;
+    SNR(t) = ᾱ_t / (1 - ᾱ_t). The nearly clean timesteps no longer dominate the gradient."""
     snr = compute_snr(noise_scheduler, timesteps)
     v_target = noise_scheduler.config.prediction_type == "v_prediction"
     return snr.clamp(max=snr_gamma) / (snr + 1 if v_target else snr)

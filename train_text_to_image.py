@@ -450,8 +450,8 @@ def encode_latents(examples, args, augment, vae):
 
 
 def min_snr_weights(noise_scheduler, timesteps, snr_gamma):
-    """Min-SNR-γ (Hang et al. 2023): weights min(SNR(t), γ) / SNR(t), or / (SNR(t) + 1) for v, with
-    SNR(t) = ᾱ_t / (1 - ᾱ_t): the nearly clean, easy timesteps no longer dominate the gradient."""
+    """Min-SNR-γ (Hang et al. 2023): weights min(SNR(t), γ) / SNR(t), or / (SNR(t) + 1) for v;
+    SNR(t) = ᾱ_t / (1 - ᾱ_t). The nearly clean timesteps no longer dominate the gradient."""
     snr = compute_snr(noise_scheduler, timesteps)
     v_target = noise_scheduler.config.prediction_type == "v_prediction"
     return snr.clamp(max=snr_gamma) / (snr + 1 if v_target else snr)

@@ -5,6 +5,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 
@@ -197,3 +198,32 @@ def test_tiny_table_of_a_lora_pair_and_a_failing_row(tiny_sd_path, tmp_path):
     )
     assert theirs["ours/ref"] == ""
     assert rows["reference", "tiny SD UNet", "default"]["it/s"] == "OOM"
+
+
+def test_dit_rows_time_the_step_with_dataloader_workers(tmp_path):
+    """The DiT rows load data as a real launch does, in 4 worker processes (--dit_workers);
+    --tiny in the main process."""
+    row = gpu_table.Row("dit-b2", "ours", 512, "default")
+    for argv, workers in [([], "4"), (["--tiny"], "0"), (["--dit_workers", "2"], "2")]:
+        args = gpu_table.parse_args([*argv, "--work_dir", str(tmp_path)])
+        command = gpu_table.script_command(args, row, "PIPELINE", "DATA", "OUT")
+        assert command[command.index("--dataloader_num_workers") + 1] == workers
+
+
+def test_a_table_cut_short_keeps_the_rows_it_measured(tiny_sd_path, tmp_path):
+    """A device call can end mid-table: the table is written after every row, so the rows
+    already measured survive the table's own process being killed."""
+    reference = tmp_path / "reference"
+    reference.mkdir()
+    for name in gpu_table.REFERENCE.values():  # the table's process killed by the second row
+        (reference / name).write_text("import os, signal\nos.kill(os.getppid(), signal.SIGKILL)\n")
+    out = tmp_path / "table.md"
+    command = [sys.executable, GPU_TABLE, "--tiny", "--rows", "lora:*:b1:default", "--steps", "3"]
+    command += ["--out", out, "--pipeline", tiny_sd_path, "--reference_dir", reference]
+    command += ["--work_dir", tmp_path / "w"]
+    run = subprocess.run(
+        [str(c) for c in command], env={**os.environ, **HF_ENV}, capture_output=True, timeout=600
+    )
+    assert run.returncode == -signal.SIGKILL
+    rows = {r["script"]: r for r in table_rows(out.read_text())}
+    assert float(rows["ours"]["it/s"]) > 0 and rows["reference"]["it/s"] == "not run"

@@ -38,7 +38,8 @@ from diffusers.optimization import get_scheduler
 from diffusers.training_utils import EMAModel, cast_training_params, compute_snr
 from diffusers.utils import convert_state_dict_to_kohya
 from huggingface_hub import create_repo, upload_folder
-from peft import LoraConfig, get_peft_model_state_dict, set_peft_model_state_dict
+from peft import LoraConfig, get_peft_model_state_dict, inject_adapter_in_model
+from peft import set_peft_model_state_dict
 from safetensors.torch import load_file, save_file
 from torchvision import transforms
 from tqdm.auto import tqdm
@@ -165,7 +166,8 @@ def main(args):
         model.add_adapter(LoraConfig(**lora, target_modules=args.lora_target_modules.split(",")))
     if args.train_text_encoder:  # on CLIP's attention projections
         targets = ["q_proj", "k_proj", "v_proj", "out_proj"]
-        text_encoder.add_adapter(LoraConfig(**lora, target_modules=targets))
+        # peft's own call: transformers' add_adapter wraps it in a gate on peft's version
+        inject_adapter_in_model(LoraConfig(**lora, target_modules=targets), text_encoder)
     trained = [model, text_encoder] if args.train_text_encoder else [model]
     # A and B in fp32: fp16 gradients could not be unscaled, bf16 updates of 1e-4 would round away
     cast_training_params(trained, dtype=torch.float32)

@@ -166,6 +166,19 @@ def test_bf16_trains_fp32_lora_on_bf16_weights(common, tmp_path):
     assert any(torch.count_nonzero(v) for k, v in lora.items() if ".lora_B." in k)  # it learned
 
 
+def test_the_text_encoder_adapter_passes_no_version_gate(common, tmp_path, monkeypatch):
+    """transformers' add_adapter refuses peft releases older than its own minimum (5.24: peft 0.22, not yet
+    released); the script calls peft directly, so a gate that always refuses must not stop it."""
+    import transformers.integrations.peft as hf_peft
+
+    def refuse(*args, **kwargs):
+        raise ValueError("The version of PEFT you are using is not compatible")
+
+    monkeypatch.setattr(hf_peft, "check_peft_version", refuse)
+    train_in_process(SCRIPT, common + ["--output_dir", tmp_path, "--max_train_steps", "1", "--checkpointing_steps", "9"])
+    assert sum(1 for k in weights(tmp_path, LORA) if k.startswith("text_encoder.") and ".lora_A." in k) == 20
+
+
 def test_output_dir_dot_names_the_kohya_file_after_the_folder(common, tmp_path, monkeypatch):
     folder = tmp_path / "my-style"
     folder.mkdir()

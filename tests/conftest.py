@@ -57,8 +57,17 @@ def _free_port():
         return sock.getsockname()[1]
 
 
+def require_deepspeed():
+    """DeepSpeed is not installed on Windows (requirements.in): its tests skip there, and only there."""
+    import importlib.util
+
+    if importlib.util.find_spec("deepspeed") is None:
+        pytest.skip("deepspeed is not installed on this platform")
+
+
 def zero(stage):
     """`accelerate launch` flags for DeepSpeed ZeRO-`stage` (ZeRO-3 saving whole 16-bit weights)."""
+    require_deepspeed()
     flags = ["--use_deepspeed", "--zero_stage", str(stage)]
     return flags + (["--zero3_save_16bit_model", "true"] if stage == 3 else [])
 

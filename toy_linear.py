@@ -29,18 +29,18 @@ TRUE_W = [2.0, 3.0, 4.0, 7.0]
 # 1. Arguments: the Diffusers examples' flag names, so the same commands work across scripts
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description="Learn y = w·x, with or without Accelerate.")
-    p.add_argument("--plain", action="store_true", help="Plain PyTorch.")
-    p.add_argument("--output_dir", default="toy-linear")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--train_batch_size", type=int, default=32)
-    p.add_argument("--num_train_epochs", type=int, default=20)
-    p.add_argument("--max_train_steps", type=int, help="Overrides --num_train_epochs.")
-    p.add_argument("--gradient_accumulation_steps", type=int, default=1)
-    p.add_argument("--learning_rate", type=float, default=0.1)
-    p.add_argument("--report_to", default="tensorboard", help="Or wandb, none.")
-    p.add_argument("--checkpointing_steps", type=int, default=100)
-    p.add_argument("--checkpoints_total_limit", type=int)
-    p.add_argument("--resume_from_checkpoint", help='"latest" or a checkpoint-N name.')
+    p.add_argument("--plain", action="store_true", help="The plain PyTorch loop, no Accelerate.")
+    p.add_argument("--output_dir", default="toy-linear", help="Checkpoints, logs and w go here.")
+    p.add_argument("--seed", type=int, default=0, help="Seeds the data, the initial w, the order.")
+    p.add_argument("--train_batch_size", type=int, default=32, help="Examples per process a step.")
+    p.add_argument("--num_train_epochs", type=int, default=20, help="Passes over the 1,024 pairs.")
+    p.add_argument("--max_train_steps", type=int, help="Optimizer steps; overrides the epochs.")
+    p.add_argument("--gradient_accumulation_steps", type=int, default=1, help="Batches a step.")
+    p.add_argument("--learning_rate", type=float, default=0.1, help="SGD's starting step size.")
+    p.add_argument("--report_to", default="tensorboard", help="tensorboard, wandb or none.")
+    p.add_argument("--checkpointing_steps", type=int, default=100, help="Save every N steps.")
+    p.add_argument("--checkpoints_total_limit", type=int, help="Keep the newest N; default: all.")
+    p.add_argument("--resume_from_checkpoint", help='checkpoint-N in --output_dir, or "latest".')
     return p.parse_args(argv)
 
 
@@ -54,13 +54,14 @@ def make_dataset(args, n=1024):
 def train_plain(args):
     """The whole loop in plain PyTorch: forward, loss, zero_grad, backward, step."""
     torch.manual_seed(args.seed)
-    model = torch.nn.Linear(4, 1, bias=False)  # its one weight matrix is w
+    # A linear layer without bias: its one weight matrix is w.
+    model = torch.nn.Linear(4, 1, bias=False)
     dataset = make_dataset(args)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.learning_rate)
     steps = args.num_train_epochs * math.ceil(len(dataset) / args.train_batch_size)
     lr_scheduler = get_scheduler("cosine", optimizer, num_warmup_steps=0, num_training_steps=steps)
     for epoch in range(args.num_train_epochs):
-        # a new permutation each epoch, seeded as Accelerate's seedable sampler seeds it
+        # A new permutation each epoch, seeded as Accelerate's seedable sampler seeds it.
         order = RandomSampler(dataset, generator=torch.Generator().manual_seed(args.seed + epoch))
         for x, y in DataLoader(dataset, batch_size=args.train_batch_size, sampler=order):
             loss = torch.nn.functional.mse_loss(model(x), y)
@@ -80,11 +81,13 @@ def main(args):
         gradient_accumulation_steps=args.gradient_accumulation_steps,
         log_with=None if args.report_to == "none" else args.report_to,
         project_config=ProjectConfiguration(args.output_dir, logging_dir=f"{args.output_dir}/logs"),
-        # every process draws the same permutation each epoch and takes its own share of it
+        # Every process draws the same permutation each epoch and takes its own share of it.
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=args.seed),
-        step_scheduler_with_optimizer=False,  # the loop steps the LR once per optimizer step
+        # The loop steps the learning rate itself, once per optimizer step.
+        step_scheduler_with_optimizer=False,
     )
-    set_seed(args.seed)  # the same initial weights on every process
+    # The same seed on every process: the same initial weights everywhere.
+    set_seed(args.seed)
 
     # 3. Model: y = w·x is a linear layer with four inputs, one output and no bias
     model = torch.nn.Linear(4, 1, bias=False)
@@ -99,7 +102,7 @@ def main(args):
     steps_per_epoch = math.ceil(len(train_dataloader) / accelerator.num_processes / accumulation)
     max_train_steps = args.max_train_steps or args.num_train_epochs * steps_per_epoch
     num_epochs = math.ceil(max_train_steps / steps_per_epoch)
-    # the learning rate falls along a half cosine, to 0 at the last step
+    # The learning rate falls along a half cosine, to 0 at the last step.
     lr_scheduler = get_scheduler(
         "cosine", optimizer, num_warmup_steps=0, num_training_steps=max_train_steps
     )
@@ -118,25 +121,35 @@ def main(args):
     progress_bar = tqdm(
         range(max_train_steps), initial=global_step, disable=not accelerator.is_local_main_process
     )
+    # The loss is summed on the device and read every 10 steps: reading it makes the CPU wait.
+    train_loss, logged_step = 0.0, global_step
     for epoch in range(first_epoch, num_epochs):
-        train_dataloader.set_epoch(epoch)  # this epoch's permutation, also when resuming
+        # This epoch's permutation, also when resuming.
+        train_dataloader.set_epoch(epoch)
         batches = train_dataloader
         if epoch == first_epoch and skip_batches:  # those the resumed checkpoint trained on
             batches = accelerator.skip_first_batches(train_dataloader, skip_batches)
         for x, y in batches:
-            # gradients add up over micro-batches; the optimizer steps on the last one
+            # Gradients add up over micro-batches; the optimizer steps on the last one.
             with accelerator.accumulate(model):
                 loss = torch.nn.functional.mse_loss(model(x), y)
                 accelerator.backward(loss)  # gradients, averaged over processes
                 optimizer.step()
                 optimizer.zero_grad()
+                train_loss += loss.detach() / accumulation
             if accelerator.sync_gradients:  # an optimizer step happened
                 lr_scheduler.step()
                 global_step += 1
-                loss = accelerator.reduce(loss.detach(), "mean").item()  # over processes
                 progress_bar.update(1)
-                progress_bar.set_postfix(loss=loss)
-                accelerator.log({"loss": loss, "lr": lr_scheduler.get_last_lr()[0]}, global_step)
+                if global_step % 10 == 0 or global_step >= max_train_steps:
+                    steps, logged_step = global_step - logged_step, global_step
+                    logs = {
+                        "loss": accelerator.reduce(train_loss, "mean").item() / steps,  # per step
+                        "lr": lr_scheduler.get_last_lr()[0],
+                    }
+                    progress_bar.set_postfix(**logs)
+                    accelerator.log(logs, step=global_step)
+                    train_loss = 0.0
                 if global_step % args.checkpointing_steps == 0:
                     save_checkpoint(accelerator, args, global_step)
             if global_step >= max_train_steps:
@@ -146,7 +159,7 @@ def main(args):
     w = accelerator.unwrap_model(model).weight.detach().float().flatten().cpu()
     accelerator.print("learned w:", [round(v, 4) for v in w.tolist()], " true w:", TRUE_W)
 
-    # 9. Final save: every process takes part, the main one writes
+    # 9. Final save: every process takes part, the main one writes.
     accelerator.wait_for_everyone()
     accelerator.save_model(model, args.output_dir)
     accelerator.end_training()

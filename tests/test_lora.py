@@ -198,24 +198,32 @@ def test_the_diffusers_readme_command_parses():
 
 
 @pytest.mark.parametrize("case, expected", [
-    ("target", "error: --lora_target_modules to_x: NoMatchingPeftModuleError: Target modules {'to_x'} not found"),
+    ("target", "error: --lora_target_modules to_x: "),
     ("not_a_pipeline", "error: --pretrained_model_name_or_path "),
     ("no_such_dir", "error: --train_data_dir /no/such/dir: "),
     ("fp16_on_cpu", "error: --mixed_precision fp16 needs a GPU"),
     ("rank", "error: --resume_from_checkpoint "),
-    ("no_captions", "error: no column 'text' (--caption_column), no caption file: FileNotFoundError: "),
+    ("fewer_targets", "error: --resume_from_checkpoint {out}/checkpoint-4: ValueError: {out}/checkpoint-4 holds other LoRA "
+                      "layers than this run's"),
+    ("more_targets", "error: --resume_from_checkpoint {out}/checkpoint-4: ValueError: {out}/checkpoint-4 holds other LoRA "
+                     "layers than this run's"),
+    ("no_captions", "error: no column 'text' (--caption_column); give --instance_prompt (one prompt for all) or a caption "
+                    "file beside each image: FileNotFoundError: "),
     ("corrupt_image", "error: image "),
     ("deepspeed_text_encoder", "error: --train_text_encoder needs DDP, not DeepSpeed"),
     ("zero3", "error: launch with DDP or DeepSpeed ZeRO-1/2, not FSDP or ZeRO-3"),
 ])
 def test_bad_input_is_one_clear_error(case, expected, reference, tiny_sd_path, kohya_folder, corrupt_folder, tmp_path,
                                       run_in_process, monkeypatch):
-    out = resume_copy(reference, "checkpoint-4", tmp_path / "out") if case == "rank" else tmp_path / "out"
+    resumed = case in ("rank", "fewer_targets", "more_targets")
+    out = resume_copy(reference, "checkpoint-4", tmp_path / "out") if resumed else tmp_path / "out"
     args = ["--pretrained_model_name_or_path", tiny_sd_path, "--train_data_dir", kohya_folder, "--resolution", "64",
             "--output_dir", out, "--report_to", "none", "--train_text_encoder"]
     changes = {"target": ["--lora_target_modules", "to_x"], "not_a_pipeline": ["--pretrained_model_name_or_path", tmp_path],
                "no_such_dir": ["--train_data_dir", "/no/such/dir"], "fp16_on_cpu": ["--mixed_precision", "fp16"],
                "rank": ["--rank", "8", "--lora_target_modules", KOHYA_TARGETS, "--resume_from_checkpoint", "latest"],
+               "fewer_targets": ["--rank", "4", "--resume_from_checkpoint", "latest"],  # the default: attention's
+               "more_targets": ["--lora_target_modules", KOHYA_TARGETS + ",conv1", "--resume_from_checkpoint", "latest"],
                "no_captions": ["--caption_extension", ".caption"], "corrupt_image": ["--train_data_dir", corrupt_folder,
                                                                                  "--caption_column", "text"]}
     if case in ("deepspeed_text_encoder", "zero3"):
@@ -223,5 +231,5 @@ def test_bad_input_is_one_clear_error(case, expected, reference, tiny_sd_path, k
         monkeypatch.setenv("ACCELERATE_DEEPSPEED_ZERO_STAGE", "3" if case == "zero3" else "2")
     before = sorted(p.name for p in out.rglob("*")) if out.exists() else []
     error = run_in_process(SCRIPT, args + changes.get(case, []))
-    assert error.startswith(expected) and "\n" not in error
+    assert error.startswith(expected.format(out=out)) and "\n" not in error
     assert (sorted(p.name for p in out.rglob("*")) if out.exists() else []) == before

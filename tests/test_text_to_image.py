@@ -158,7 +158,8 @@ def test_the_diffusers_readme_command_parses():  # less xformers: torch's SDPA i
 @pytest.mark.parametrize("case, expected", [
     ("not_a_pipeline", "error: --pretrained_model_name_or_path {empty}: "),
     ("no_such_dir", "error: --train_data_dir /no/such/dir: "),
-    ("no_captions", "error: no column 'caption' (--caption_column), no caption file: FileNotFoundError: "),
+    ("no_captions", "error: no column 'caption' (--caption_column); give --instance_prompt (one prompt for all) or a "
+                    "caption file beside each image: FileNotFoundError: "),
     ("corrupt_image", "error: image "),
     ("fp16_on_cpu", "error: --mixed_precision fp16 needs a GPU"),
     ("missing_checkpoint", "error: --resume_from_checkpoint "),

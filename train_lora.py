@@ -18,6 +18,7 @@ import os
 import shutil
 import time
 from contextlib import contextmanager
+from dataclasses import replace
 from datetime import timedelta
 from functools import partial
 from pathlib import Path
@@ -389,21 +390,14 @@ def main(args):
     for frozen in (vae, text_encoder, model):
         frozen.requires_grad_(False).to(accelerator.device, dtype=weight_dtype)
     # LoRA: A Gaussian, B zero (so W' = W at first), as the Diffusers example sets them up.
-    rank, alpha = args.rank, args.lora_alpha
+    r, alpha, targets = args.rank, args.lora_alpha, args.lora_target_modules.split(",")
+    config = LoraConfig(r=r, lora_alpha=alpha, init_lora_weights="gaussian", target_modules=targets)
     with clear_error(f"--lora_target_modules {args.lora_target_modules}"):
-        targets = args.lora_target_modules.split(",")
-        model.add_adapter(
-            LoraConfig(
-                r=rank, lora_alpha=alpha, init_lora_weights="gaussian", target_modules=targets
-            )
-        )
-    if args.train_text_encoder:  # on CLIP's attention projections
+        model.add_adapter(config)
+    if args.train_text_encoder:  # on CLIP's attention projections, with the same r and α
         targets = ["q_proj", "k_proj", "v_proj", "out_proj"]
         # peft's own call: transformers' add_adapter wraps it in a gate on peft's version.
-        config = LoraConfig(
-            r=rank, lora_alpha=alpha, init_lora_weights="gaussian", target_modules=targets
-        )
-        inject_adapter_in_model(config, text_encoder)
+        inject_adapter_in_model(replace(config, target_modules=targets), text_encoder)
     trained = [model, text_encoder] if args.train_text_encoder else [model]
     # A and B in fp32: fp16 gradients could not be unscaled, bf16 updates of 1e-4 would round away.
     cast_training_params(trained, dtype=torch.float32)

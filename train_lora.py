@@ -403,13 +403,20 @@ def main(args):
     cast_training_params(trained, dtype=torch.float32)
     # A list, not a generator: the optimizer and the clipping both go through it.
     lora_params = [p for m in trained for p in m.parameters() if p.requires_grad]
+    # Under bf16 the model computes with bf16 copies of A and B, as with its frozen weights: fp32
+    # ones would cost casts at every adapted layer (issue #31). The optimizer updates the fp32
+    # masters. (DeepSpeed keeps such masters itself.)
+    master_params = lora_params
+    if weight_dtype == torch.bfloat16 and not plugin:
+        master_params = [p.detach().clone() for p in lora_params]
+        cast_training_params(trained, dtype=weight_dtype)
     if args.gradient_checkpointing:
         model.enable_gradient_checkpointing()
         text_encoder.gradient_checkpointing_enable()
         text_encoder.train()  # transformers checkpoints in training mode only
     ema_model = None
     if args.use_ema:  # of A and B alone
-        ema_model = EMAModel(lora_params)
+        ema_model = EMAModel(master_params)
 
     # 4. Data: images resized, cropped, flipped, scaled to [-1, 1]; captions tokenized
     train_dataset = load_train_dataset(args, args.image_column)
@@ -464,7 +471,7 @@ def main(args):
 
         optimizer_class = bitsandbytes.optim.AdamW8bit
     optimizer = optimizer_class(
-        lora_params,
+        master_params,
         lr=args.learning_rate,
         betas=(args.adam_beta1, args.adam_beta2),
         weight_decay=args.adam_weight_decay,
@@ -473,6 +480,10 @@ def main(args):
     steps_per_epoch = math.ceil(len(train_dataloader) / accelerator.num_processes / accumulation)
     max_train_steps = args.max_train_steps or args.num_train_epochs * steps_per_epoch
     num_epochs = math.ceil(max_train_steps / steps_per_epoch)
+    if master_params is not lora_params:  # gradients in, weights out: a multi-tensor copy each
+        grads = [torch.zeros_like(p) for p in master_params]
+        optimizer.register_step_pre_hook(partial(to_masters, lora_params, master_params, grads))
+        optimizer.register_step_post_hook(partial(to_copies, lora_params, master_params))
     lr_scheduler = get_scheduler(
         args.lr_scheduler,
         optimizer,
@@ -494,7 +505,8 @@ def main(args):
     #    load_lora_weights reads. DeepSpeed stores its model itself, the LoRA alone too.
     def save_model_hook(models, weights, output_dir):
         if accelerator.is_main_process:
-            save_lora(output_dir, *map(unwrap, models))
+            with fp32_lora(lora_params, master_params):
+                save_lora(output_dir, *map(unwrap, models))
         if accelerator.is_main_process and ema_model is not None:
             torch.save(ema_model.state_dict(), f"{output_dir}/lora_ema.pt")
         weights.clear()  # saved above
@@ -504,7 +516,8 @@ def main(args):
             saved = load_file(f"{input_dir}/pytorch_lora_weights.safetensors")
             for model, prefix in zip(models, ["unet.", "text_encoder."]):
                 layers = {k[len(prefix) :]: v for k, v in saved.items() if k.startswith(prefix)}
-                loaded = set_peft_model_state_dict(unwrap(model), layers)
+                with fp32_lora(lora_params, master_params):
+                    loaded = set_peft_model_state_dict(unwrap(model), layers)
                 # Its missing keys also list every frozen weight: only the LoRA's count.
                 missing = [k for k in loaded.missing_keys if "lora_" in k]
                 if loaded.unexpected_keys or missing:
@@ -588,7 +601,7 @@ def main(args):
             if accelerator.sync_gradients:  # an optimizer step happened
                 lr_scheduler.step()
                 if ema_model is not None:
-                    ema_model.step(lora_params)
+                    ema_model.step(master_params)
                 global_step += 1
                 progress_bar.update(1)
                 if global_step % 10 == 0 or global_step >= max_train_steps:
@@ -613,9 +626,10 @@ def main(args):
             sampler = DPMSolverMultistepScheduler.from_config(noise_scheduler.config)
             encoder = unwrap(text_encoder)
             parts = dict(vae=vae, text_encoder=encoder, tokenizer=tokenizer, scheduler=sampler)
-            log_validation(
-                accelerator, args, unwrap(model), ema_model, parts, global_step, lora_params
-            )
+            with fp32_lora(lora_params, master_params):
+                log_validation(
+                    accelerator, args, unwrap(model), ema_model, parts, global_step, master_params
+                )
         if last_epoch:
             break
 
@@ -623,11 +637,12 @@ def main(args):
     #    for ComfyUI, A1111/Forge and kohya's own scripts
     accelerator.wait_for_everyone()  # every process has finished its last step
     if accelerator.is_main_process:
-        if ema_model is not None:
-            ema_model.copy_to(lora_params)
         unet, text_encoder = unwrap(model), unwrap(text_encoder)
-        save_lora(args.output_dir, unet, text_encoder if args.train_text_encoder else None)
-        save_kohya(args, unet, text_encoder if args.train_text_encoder else None)
+        with fp32_lora(lora_params, master_params):
+            if ema_model is not None:
+                ema_model.copy_to(master_params)
+            save_lora(args.output_dir, unet, text_encoder if args.train_text_encoder else None)
+            save_kohya(args, unet, text_encoder if args.train_text_encoder else None)
         logger.info(f"Saved to {args.output_dir}")
         if args.push_to_hub:
             upload_folder(
@@ -687,7 +702,7 @@ def preprocess(examples, args, augment, tokenizer, shape, epoch):
         with torch.random.fork_rng(devices=[]):
             seed = (args.seed * 1_000_003 + epoch) * 1_000_003 + row  # one per image and epoch
             torch.default_generator.manual_seed(seed % 2**32)  # torch keeps 32 bits of a seed
-            flip = torch.rand(()) < (0.5 if args.random_flip else 0.0)
+            flip = args.random_flip and bool(torch.rand(()) < 0.5)  # no draw if no flip
             if args.cache_latents:  # the moments of both sides are cached: pick one
                 data = bytearray(examples["latent_moments"][i])
                 moments = torch.frombuffer(data, dtype=torch.float32).view(-1, *shape)
@@ -698,7 +713,8 @@ def preprocess(examples, args, augment, tokenizer, shape, epoch):
             caption = args.instance_prompt or examples[args.caption_column][i] or ""  # None: ∅
             if not isinstance(caption, str):  # a list of captions: one of them
                 caption = caption[torch.randint(len(caption), ())]
-            if torch.rand(()) < args.caption_dropout_rate:  # the empty prompt ∅, for guidance
+            if args.caption_dropout_rate and torch.rand(()) < args.caption_dropout_rate:
+                # The empty prompt ∅, for guidance.
                 caption = ""
             captions.append(caption)
     batch = {name: values for name, values in batch.items() if len(values)}
@@ -766,12 +782,12 @@ def resume_from_checkpoint(accelerator, args):
         return int(path.rsplit("-", 1)[1])
 
 
-def log_validation(accelerator, args, unet, ema_model, parts, global_step, lora_params):
+def log_validation(accelerator, args, unet, ema_model, parts, global_step, master_params):
     """A row per prompt: its images at LoRA scale 0 (the base model), then at scale 1."""
     unet.eval()  # no dropout while sampling
     if ema_model is not None:  # sample with the EMA weights, then put the trained ones back
-        ema_model.store(lora_params)
-        ema_model.copy_to(lora_params)
+        ema_model.store(master_params)
+        ema_model.copy_to(master_params)
     # From the modules in memory (no second VAE or text encoder); the trained A, B never cast.
     pipeline = StableDiffusionPipeline(
         **parts,
@@ -786,11 +802,43 @@ def log_validation(accelerator, args, unet, ema_model, parts, global_step, lora_
         kwargs = dict(num_images_per_prompt=n, cross_attention_kwargs={"scale": scale})
         images.append(generate(accelerator, args, pipeline, **kwargs).split(n))  # n a prompt
     if ema_model is not None:
-        ema_model.restore(lora_params)
+        ema_model.restore(master_params)
     unet.train()
     # A row per prompt: its n images without the LoRA, then its n with it.
     rows = [torch.cat(row) for row in zip(*images)]
     save_grid(accelerator, args, torch.cat(rows), global_step, nrow=2 * n)
+
+
+def to_masters(lora_params, master_params, grads, *hook_args):
+    """Before an optimizer step: the bf16 copies' gradients, into the fp32 masters'."""
+    torch._foreach_copy_(grads, [p.grad for p in lora_params])
+    for master, grad in zip(master_params, grads):
+        master.grad = grad
+
+
+@torch.no_grad()
+def to_copies(lora_params, master_params, *hook_args):
+    """After it: the updated masters, into the bf16 copies, whose gradients start anew."""
+    torch._foreach_copy_(lora_params, master_params)
+    for p in lora_params:
+        p.grad = None
+
+
+@contextmanager
+def fp32_lora(lora_params, master_params):
+    """The model's A and B are the fp32 masters meanwhile (to save, load or sample them)."""
+    if master_params is lora_params:  # fp32 already
+        yield
+        return
+    copies = [p.data for p in lora_params]
+    for p, master in zip(lora_params, master_params):
+        p.data = master
+    try:
+        yield
+    finally:
+        for p, copy in zip(lora_params, copies):
+            p.data = copy
+        torch._foreach_copy_(copies, master_params)  # what was loaded, if anything
 
 
 def generate(accelerator, args, pipeline, **kwargs):

@@ -687,7 +687,7 @@ def preprocess(examples, args, augment, tokenizer, shape, epoch):
         with torch.random.fork_rng(devices=[]):
             seed = (args.seed * 1_000_003 + epoch) * 1_000_003 + row  # one per image and epoch
             torch.default_generator.manual_seed(seed % 2**32)  # torch keeps 32 bits of a seed
-            flip = torch.rand(()) < (0.5 if args.random_flip else 0.0)
+            flip = args.random_flip and bool(torch.rand(()) < 0.5)  # no draw if no flip
             if args.cache_latents:  # the moments of both sides are cached: pick one
                 data = bytearray(examples["latent_moments"][i])
                 moments = torch.frombuffer(data, dtype=torch.float32).view(-1, *shape)
@@ -698,7 +698,8 @@ def preprocess(examples, args, augment, tokenizer, shape, epoch):
             caption = args.instance_prompt or examples[args.caption_column][i] or ""  # None: ∅
             if not isinstance(caption, str):  # a list of captions: one of them
                 caption = caption[torch.randint(len(caption), ())]
-            if torch.rand(()) < args.caption_dropout_rate:  # the empty prompt ∅, for guidance
+            if args.caption_dropout_rate and torch.rand(()) < args.caption_dropout_rate:
+                # The empty prompt ∅, for guidance.
                 caption = ""
             captions.append(caption)
     batch = {name: values for name, values in batch.items() if len(values)}

@@ -158,12 +158,23 @@ def test_an_untrained_adapter_changes_nothing(common, tiny_sd_path, tmp_path):
     assert abs(draw(pipe) - draw(pipeline(tiny_sd_path))).max() < 1e-6
 
 
-def test_bf16_trains_fp32_lora_on_bf16_weights(common, tmp_path):
-    train_in_process(SCRIPT, common + ["--output_dir", tmp_path, "--mixed_precision", "bf16", "--max_train_steps", "2",
-                                       "--use_ema", "--checkpointing_steps", "9"])
-    lora = weights(tmp_path, LORA)
+def test_bf16_updates_of_1e_4_land_in_fp32_masters_and_resume_exactly(common, tmp_path):
+    """Under bf16 the model computes with bf16 copies of A and B and the optimizer updates fp32 masters: Adam's first
+    steps of about 1e-4, which a bf16 weight near A's σ = 1/r = 0.25 rounds away, land in A; the files hold the fp32
+    masters; a resumed run ends bit for bit where the whole run does."""
+    args = [a for a in common if a != "--use_ema"] + ["--mixed_precision", "bf16", "--learning_rate", "1e-4",
+                                                     "--max_train_steps", "2", "--checkpointing_steps", "1"]
+    train_in_process(SCRIPT, args + ["--output_dir", tmp_path / "run"])
+    train_in_process(SCRIPT, args + ["--output_dir", tmp_path / "init", "--learning_rate", "0"])
+    lora, init = weights(tmp_path / "run", LORA), weights(tmp_path / "init", LORA)
     assert {v.dtype for v in lora.values()} == {torch.float32}
-    assert any(torch.count_nonzero(v) for k, v in lora.items() if ".lora_B." in k)  # it learned
+    A = [k for k in lora if ".lora_A." in k]
+    moved = sum(int((lora[k] != init[k]).sum()) for k in A) / sum(lora[k].numel() for k in A)
+    assert moved > 0.9, moved  # bf16 weights would keep A as it was
+    assert all(lora[k].to(torch.bfloat16).float().ne(lora[k]).any() for k in A)  # not bf16 values
+    resumed = resume_copy(tmp_path / "run", "checkpoint-1")
+    train_in_process(SCRIPT, args + ["--output_dir", resumed, "--resume_from_checkpoint", "latest"])
+    assert_same_weights(weights(resumed, LORA), lora)
 
 
 def test_the_text_encoder_adapter_passes_no_version_gate(common, tmp_path, monkeypatch):

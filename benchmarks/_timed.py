@@ -13,7 +13,9 @@ A step that a gradient scaler skips (fp16 overflow) is not timed, as it does not
 When the script ends (normally, by sys.exit, or with an error) the JSON file named by $TIMED_JSON
 gets: "step_times" (time.perf_counter() after each step, after torch.cuda.synchronize() on a GPU
 so the step's kernels are done), "max_memory_allocated" (bytes, torch.cuda.max_memory_allocated();
-null without CUDA), "device" (the GPU's name, or "cpu") and "error" (null, or the exception).
+null without CUDA), "device" (the GPU's name, or "cpu"), "error" (null, or the exception) and "start"
+(time.perf_counter() when this wrapper began: the first step's end minus it is the time to the
+first step, imports, loading and any compilation included).
 
 With TIMED_COUNT_OPS=1 it also counts every aten operation dispatched (a TorchDispatchMode over the
 whole run, the backward's operations included) and writes "step_ops": for each optimizer step, a
@@ -53,6 +55,7 @@ def record_step(optimizer, args, kwargs):
 def main():
     if len(sys.argv) < 2:
         raise SystemExit("usage: TIMED_JSON=out.json python benchmarks/_timed.py SCRIPT [ARGS...]")
+    start = time.perf_counter()
     out, script = os.environ["TIMED_JSON"], sys.argv[1]
     register_optimizer_step_post_hook(record_step)
     # As `python SCRIPT ARGS` sees it: its own argv, and its folder first on the import path.
@@ -80,6 +83,7 @@ def main():
             "max_memory_allocated": torch.cuda.max_memory_allocated() if cuda else None,
             "device": torch.cuda.get_device_name() if cuda else "cpu",
             "error": error,
+            "start": start,
         }
         if counter:
             result["step_ops"] = step_ops

@@ -9,6 +9,7 @@ same flags (below), and the operations of the steps after --warmup are averaged:
 
     python benchmarks/op_count.py                      # LoRA, bf16 (issue #31)
     python benchmarks/op_count.py --models lora sd --mixed_precision no bf16
+    python benchmarks/op_count.py --flags=--cache_latents   # ours cached, the reference not
 
 Printed: operations per step, host syncs per step (`_local_scalar_dense`: a tensor read on the
 host, e.g. `.item()`), casts per step (`_to_copy`), ours / reference, and the operations whose
@@ -23,6 +24,7 @@ lacks them).
 
 import argparse
 import json
+import shlex
 import os
 import subprocess
 import sys
@@ -68,7 +70,7 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--models", nargs="+", choices=["lora", "sd"], default=["lora"])
     p.add_argument("--mixed_precision", nargs="+", default=["bf16"], choices=["no", "bf16"])
-    p.add_argument("--flags", nargs="*", default=[], help="More flags for both scripts.")
+    p.add_argument("--flags", default="", help='More flags for ours, e.g. "--cache_latents".')
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--steps", type=int, default=12, help="Optimizer steps a run.")
     p.add_argument("--warmup", type=int, default=4, help="First steps left out.")
@@ -76,6 +78,7 @@ def main():
     p.add_argument("--reference_dir", type=Path)
     p.add_argument("--top", type=int, default=8, help="Operations listed whose counts differ.")
     args = p.parse_args()
+    args.flags = shlex.split(args.flags)
     args.tiny, args.pipeline_arg = True, None
     args.work_dir = args.work_dir.resolve()
     args.work_dir.mkdir(parents=True, exist_ok=True)

@@ -150,7 +150,8 @@ def parse_args(argv=None):
         "--dataloader_num_workers",
         type=int,
         default=0,
-        help="Processes that load and augment images; 0 loads them in the main process.",
+        help="Processes that load and augment images; 0 loads them in the main process "
+        "(best with --cache_latents; decoding images beside a GPU's steps, use 4).",
     )
     p.add_argument(
         "--num_train_epochs",

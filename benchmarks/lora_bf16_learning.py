@@ -10,7 +10,10 @@ without and with it. One seed each: the two runs differ by rounding, so compare 
 loss's fall, the ink's rise), not the digits.
 
     python benchmarks/lora_bf16_learning.py            # about 15 minutes on 2 CPU cores
+    python benchmarks/lora_bf16_learning.py --digits_model FOLDER   # that digits model instead
 """
+
+import argparse
 
 import os
 import sys
@@ -27,13 +30,11 @@ import test_sd_learning as demo  # noqa: E402  the demo's commands and measures
 from conftest import run_script  # noqa: E402
 
 
-def main():
-    work = Path(tempfile.mkdtemp(prefix="lora-bf16-"))
-    env = {"OMP_NUM_THREADS": str(os.cpu_count())}
+def build_digits_model(work, env):
+    """data/make_tiny_sd.py's pipeline, then 300 steps of the text-to-image demo on 1,500 digits."""
     start = time.perf_counter()
-    base = work / "base"
+    base, digits = work / "base", work / "digits"
     __import__("make_tiny_sd").main(["--output_dir", str(base), "--vae_steps", "300"])
-    digits = work / "digits"
     data = demo.subset(demo.DATA / "digits", range(1500), work / "digits-train")
     ci = ["--max_train_steps", "300", "--validation_epochs", "100", "--num_inference_steps", "5"]
     run_script(
@@ -44,6 +45,16 @@ def main():
         timeout=3600,
     )
     print(f"base and digits model built in {time.perf_counter() - start:.0f} s", flush=True)
+    return digits
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--digits_model", type=Path, help="A digits model built as above already.")
+    args = p.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="lora-bf16-"))
+    env = {"OMP_NUM_THREADS": str(os.cpu_count())}
+    digits = args.digits_model or build_digits_model(work, env)
     bold_data = demo.subset(demo.DATA / "bold-digits", range(250), work / "bold-train")
     ink, read_images = demo.tool("make_bold_digits").ink, demo.tool("make_bold_digits").read_images
     bold, rows = read_images(demo.DATA / "bold-digits")

@@ -51,6 +51,7 @@ def build_digits_model(work, env):
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--digits_model", type=Path, help="A digits model built as above already.")
+    p.add_argument("--precisions", nargs="+", default=["no", "bf16"], choices=["no", "bf16"])
     args = p.parse_args()
     work = Path(tempfile.mkdtemp(prefix="lora-bf16-"))
     env = {"OMP_NUM_THREADS": str(os.cpu_count())}
@@ -61,7 +62,7 @@ def main():
     held_out, captions = bold[250:], [row["text"] for row in rows][250:]
     ci = ["--max_train_steps", "800", "--validation_epochs", "100", "--num_inference_steps", "5"]
     results = []
-    for precision in ("no", "bf16"):
+    for precision in args.precisions:
         out = work / f"lora-{precision}"
         start = time.perf_counter()
         run_script(

@@ -18,6 +18,7 @@ import os
 import shutil
 import time
 from contextlib import contextmanager
+from dataclasses import replace
 from datetime import timedelta
 from functools import partial
 from pathlib import Path
@@ -31,8 +32,8 @@ from accelerate.logging import get_logger
 from accelerate.utils import DataLoaderConfiguration, InitProcessGroupKwargs, ProjectConfiguration
 from accelerate.utils import set_seed
 from datasets.fingerprint import Hasher
-from diffusers import AutoencoderKL, DDPMScheduler, DPMSolverMultistepScheduler
-from diffusers import StableDiffusionPipeline, UNet2DConditionModel
+from diffusers import DDPMScheduler, DPMSolverMultistepScheduler
+from diffusers import StableDiffusionPipeline
 from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
 from diffusers.optimization import get_scheduler
 from diffusers.training_utils import EMAModel, cast_training_params, compute_snr
@@ -43,7 +44,6 @@ from peft import set_peft_model_state_dict
 from safetensors.torch import load_file, save_file
 from torchvision import transforms
 from tqdm.auto import tqdm
-from transformers import CLIPTextModel, CLIPTokenizer
 
 logger = get_logger(__name__)
 
@@ -51,61 +51,280 @@ logger = get_logger(__name__)
 # 1. Arguments: the Diffusers example's flags and defaults, so its commands run unchanged
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description="Train a LoRA for Stable Diffusion 1.x.")
-    p.add_argument("--pretrained_model_name_or_path", required=True)
-    p.add_argument("--variant", help='e.g. "fp16"')
-    p.add_argument("--dataset_name", help="A hub dataset, or a local dataset folder.")
-    p.add_argument("--train_data_dir", help="An imagefolder (if no --dataset_name).")
-    p.add_argument("--image_column", default="image")
-    p.add_argument("--caption_column", default="text", help="Captions (or lists).")
-    p.add_argument("--caption_extension", default=".txt", help="Else caption files.")
-    p.add_argument("--instance_prompt", help="One caption for all, over all others.")
-    p.add_argument("--caption_dropout_rate", type=float, default=0.0)
-    p.add_argument("--validation_prompts", "--validation_prompt", nargs="+")
-    p.add_argument("--num_validation_images", type=int, default=4, help="Per prompt.")
-    p.add_argument("--validation_epochs", type=int, default=1)
-    p.add_argument("--guidance_scale", type=float, default=7.5, help="To validate.")
-    p.add_argument("--num_inference_steps", type=int, default=20, help="To validate.")
-    p.add_argument("--output_dir", default="sd-model-finetuned-lora")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--resolution", type=int, default=512)
-    p.add_argument("--center_crop", action="store_true", help="Else a random crop.")
-    p.add_argument("--random_flip", action="store_true")
-    p.add_argument("--cache_latents", action="store_true", help="Encode each image once.")
-    p.add_argument("--train_batch_size", type=int, default=16, help="Per device.")
-    p.add_argument("--dataloader_num_workers", type=int, default=0)
-    p.add_argument("--num_train_epochs", type=int, default=100)
-    p.add_argument("--max_train_steps", type=int, help="Overrides --num_train_epochs.")
-    p.add_argument("--gradient_accumulation_steps", type=int, default=1)
-    p.add_argument("--gradient_checkpointing", action="store_true")
-    p.add_argument("--rank", type=int, default=4, help="r of each LoRA update.")
-    p.add_argument("--lora_alpha", type=float, help="The update's scale α/r; α = r if unset.")
-    p.add_argument("--lora_target_modules", default="to_k,to_q,to_v,to_out.0", help="UNet layers.")
-    p.add_argument("--train_text_encoder", action="store_true", help="CLIP's attention too.")
-    p.add_argument("--learning_rate", type=float, default=1e-4)
-    p.add_argument("--lr_scheduler", default="constant")
-    p.add_argument("--lr_warmup_steps", type=int, default=500)
-    p.add_argument("--adam_beta1", type=float, default=0.9)
-    p.add_argument("--adam_beta2", type=float, default=0.999)
-    p.add_argument("--adam_weight_decay", type=float, default=1e-2)
-    p.add_argument("--adam_epsilon", type=float, default=1e-08)
-    p.add_argument("--use_8bit_adam", action="store_true", help="bitsandbytes (GPU).")
-    p.add_argument("--max_grad_norm", type=float, default=1.0)
-    p.add_argument("--use_ema", action="store_true")
-    p.add_argument("--report_to", default="tensorboard", help="tensorboard, wandb or none.")
-    p.add_argument("--mixed_precision", choices=["no", "fp16", "bf16"])
-    p.add_argument("--allow_tf32", action="store_true", help="Faster fp32 on Ampere+.")
-    p.add_argument("--prediction_type", choices=["epsilon", "v_prediction"])
-    p.add_argument("--snr_gamma", type=float, help="Min-SNR-γ weighting; 5.0 is usual.")
-    p.add_argument("--noise_offset", type=float, default=0.0)
-    p.add_argument("--checkpointing_steps", type=int, default=500)
-    p.add_argument("--checkpoints_total_limit", type=int)
-    p.add_argument("--resume_from_checkpoint", help='"latest" or a checkpoint-N name.')
-    p.add_argument("--push_to_hub", action="store_true")
+    p.add_argument(
+        "--pretrained_model_name_or_path",
+        required=True,
+        help="The SD 1.x pipeline to start from: a Hub id or a folder.",
+    )
+    p.add_argument("--revision", help="The model's Git revision on the Hub (branch, tag, commit).")
+    p.add_argument("--variant", help='Load the weight files of this variant, e.g. "fp16".')
+    p.add_argument(
+        "--dataset_name",
+        help="A dataset on the Hugging Face Hub, or a local folder `datasets` can load.",
+    )
+    p.add_argument("--dataset_config_name", help="The dataset's configuration, if it has several.")
+    p.add_argument(
+        "--train_data_dir", help="A folder of images (an imagefolder), used if no --dataset_name."
+    )
+    p.add_argument(
+        "--image_column", default="image", help="The dataset column that holds the images."
+    )
+    p.add_argument(
+        "--caption_column",
+        default="text",
+        help="The column of captions (a list: one drawn each time).",
+    )
+    p.add_argument(
+        "--caption_extension",
+        default=".txt",
+        help="Without that column: caption files beside the images.",
+    )
+    p.add_argument("--instance_prompt", help="One caption for every image, over any other.")
+    p.add_argument(
+        "--caption_dropout_rate", type=float, default=0.0, help="Share of captions left empty (∅)."
+    )
+    p.add_argument(
+        "--max_train_samples",
+        type=int,
+        help="Train on this many images, drawn at random; default: all.",
+    )
+    p.add_argument(
+        "--cache_dir",
+        help="Where downloaded models and datasets are stored (default: the Hugging Face cache).",
+    )
+    p.add_argument(
+        "--validation_prompts",
+        "--validation_prompt",
+        nargs="+",
+        help="Drawn from fixed noise as it trains; default: none.",
+    )
+    p.add_argument(
+        "--num_validation_images", type=int, default=4, help="Images per validation prompt."
+    )
+    p.add_argument("--validation_epochs", type=int, default=1, help="Validate every N epochs.")
+    p.add_argument(
+        "--guidance_scale",
+        type=float,
+        default=7.5,
+        help="Classifier-free guidance when validating.",
+    )
+    p.add_argument("--num_inference_steps", type=int, default=20, help="Sampler steps to validate.")
+    p.add_argument(
+        "--output_dir",
+        default="sd-model-finetuned-lora",
+        help="Where checkpoints, samples, logs and the trained model are written.",
+    )
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="Seeds the initial weights, the data order, the augmentations and the noise.",
+    )
+    p.add_argument(
+        "--resolution",
+        type=int,
+        default=512,
+        help="Images are resized and cropped to this many pixels a side.",
+    )
+    p.add_argument(
+        "--image_interpolation_mode",
+        default="lanczos",
+        choices=[mode.name.lower() for mode in transforms.InterpolationMode],
+        help="The filter that resizes images.",
+    )
+    p.add_argument(
+        "--center_crop",
+        action="store_true",
+        help="Crop the centre of each image; without it the crop is random.",
+    )
+    p.add_argument(
+        "--random_flip",
+        action="store_true",
+        help="Flip half the images left-right, drawn anew each epoch.",
+    )
+    p.add_argument(
+        "--cache_latents",
+        action="store_true",
+        help="Encode each image with the VAE once, before training.",
+    )
+    p.add_argument(
+        "--train_batch_size", type=int, default=16, help="Images per process per forward pass."
+    )
+    p.add_argument(
+        "--dataloader_num_workers",
+        type=int,
+        default=0,
+        help="Processes that load and augment images; 0 loads them in the main process "
+        "(best with --cache_latents; decoding images beside a GPU's steps, use 4).",
+    )
+    p.add_argument(
+        "--num_train_epochs",
+        type=int,
+        default=100,
+        help="Passes over the data, if no --max_train_steps.",
+    )
+    p.add_argument(
+        "--max_train_steps",
+        type=int,
+        help="Optimizer steps to train; overrides the epoch count if given.",
+    )
+    p.add_argument(
+        "--gradient_accumulation_steps",
+        type=int,
+        default=1,
+        help="Forward passes whose gradients add up before each optimizer step.",
+    )
+    p.add_argument(
+        "--gradient_checkpointing",
+        action="store_true",
+        help="Recompute activations in the backward pass: less memory, about 30% slower.",
+    )
+    p.add_argument("--rank", type=int, default=4, help="The rank r of each LoRA update B·A.")
+    p.add_argument(
+        "--lora_alpha", type=float, help="The update's scale is α/r; default: α = r, a scale of 1."
+    )
+    p.add_argument(
+        "--lora_target_modules",
+        default="to_k,to_q,to_v,to_out.0",
+        help="The UNet's linear layers that get a LoRA; default: attention's projections.",
+    )
+    p.add_argument(
+        "--train_text_encoder", action="store_true", help="A LoRA on CLIP's attention too."
+    )
+    p.add_argument(
+        "--learning_rate", type=float, default=1e-4, help="AdamW's learning rate (after warm-up)."
+    )
+    p.add_argument(
+        "--scale_lr", action="store_true", help="Multiply --learning_rate by the total batch size."
+    )
+    p.add_argument(
+        "--lr_scheduler",
+        default="constant",
+        help="The learning-rate schedule: constant, linear, cosine, cosine_with_restarts, "
+        "polynomial, constant_with_warmup.",
+    )
+    p.add_argument(
+        "--lr_warmup_steps",
+        type=int,
+        default=500,
+        help="Optimizer steps over which the learning rate rises linearly from 0.",
+    )
+    p.add_argument("--adam_beta1", type=float, default=0.9, help="AdamW's β1 (momentum).")
+    p.add_argument("--adam_beta2", type=float, default=0.999, help="AdamW's β2 (second moment).")
+    p.add_argument(
+        "--adam_weight_decay", type=float, default=1e-2, help="AdamW's decoupled weight decay."
+    )
+    p.add_argument(
+        "--adam_epsilon", type=float, default=1e-08, help="AdamW's ε, added to the denominator."
+    )
+    p.add_argument(
+        "--use_8bit_adam",
+        action="store_true",
+        help="bitsandbytes' 8-bit AdamW: optimizer states in a quarter of the memory (GPU only).",
+    )
+    p.add_argument(
+        "--max_grad_norm",
+        type=float,
+        default=1.0,
+        help="Gradients are clipped to this global norm.",
+    )
+    p.add_argument(
+        "--use_ema",
+        action="store_true",
+        help="Keep an exponential moving average of the weights, and save and sample with it.",
+    )
+    p.add_argument(
+        "--report_to",
+        default="tensorboard",
+        help="Where metrics and samples go: tensorboard, wandb, or none.",
+    )
+    p.add_argument(
+        "--logging_dir", default="logs", help="The trackers' folder, inside --output_dir."
+    )
+    p.add_argument(
+        "--mixed_precision",
+        choices=["no", "fp16", "bf16"],
+        help="Compute in fp16 or bf16 (weights stay fp32); default: accelerate's config.",
+    )
+    p.add_argument(
+        "--allow_tf32",
+        action="store_true",
+        help="Let fp32 matrix products use TF32 on Ampere and newer GPUs: "
+        "faster, a little less exact.",
+    )
+    p.add_argument(
+        "--enable_xformers_memory_efficient_attention",
+        action="store_true",
+        help="Ignored: PyTorch's SDPA is used.",
+    )
+    p.add_argument(
+        "--prediction_type",
+        choices=["epsilon", "v_prediction"],
+        help="The target: ε or v; default: the base model's.",
+    )
+    p.add_argument(
+        "--snr_gamma",
+        type=float,
+        help="Min-SNR-γ loss weighting (Hang et al. 2023); "
+        "5.0 is the paper's choice. Default: off.",
+    )
+    p.add_argument(
+        "--noise_offset",
+        type=float,
+        default=0.0,
+        help="Noise shared by a channel: dark, light images.",
+    )
+    p.add_argument(
+        "--checkpointing_steps",
+        type=int,
+        default=500,
+        help="Save a resumable checkpoint every this many optimizer steps.",
+    )
+    p.add_argument(
+        "--checkpoints_total_limit",
+        type=int,
+        help="Keep at most this many checkpoints, deleting the oldest. Default: all.",
+    )
+    p.add_argument(
+        "--resume_from_checkpoint",
+        help='Resume from checkpoint-N in --output_dir, or from the newest with "latest".',
+    )
+    p.add_argument(
+        "--push_to_hub",
+        action="store_true",
+        help="Upload the trained model to the Hugging Face Hub "
+        "(log in first: `huggingface-cli login`).",
+    )
+    p.add_argument(
+        "--hub_model_id", help="The Hub repository to upload to; default: the name of --output_dir."
+    )
+    p.add_argument(
+        "--hub_private_repo", action="store_true", help="Create the Hub repository as private."
+    )
+    p.add_argument("--hub_token", help="Left out: use `huggingface-cli login` or HF_TOKEN.")
+    p.add_argument(
+        "--local_rank",
+        type=int,
+        default=-1,
+        help="Accepted for legacy launchers that pass it; accelerate sets the rank itself.",
+    )
     args = p.parse_args(argv)
     if args.dataset_name is None and args.train_data_dir is None:
         p.error("give a dataset: --dataset_name or --train_data_dir")
     if args.cache_latents and not args.center_crop:
         p.error("--cache_latents needs --center_crop (a random crop differs each epoch)")
+    refused = {
+        "hub_token": "a token on a command line lands in shell history and logs; "
+        "run `huggingface-cli login` or set HF_TOKEN",
+    }
+    ignored = {
+        "enable_xformers_memory_efficient_attention": "PyTorch's SDPA attention is already used",
+    }
+    for flag in vars(args):
+        if getattr(args, flag) and flag in refused:
+            p.error(f"--{flag} is left out: {refused[flag]}")
+        if getattr(args, flag) and flag in ignored:
+            print(f"note: --{flag} is ignored: {ignored[flag]}")
     args.lora_alpha = args.lora_alpha or args.rank
     return args
 
@@ -119,7 +338,9 @@ def main(args):
         gradient_accumulation_steps=args.gradient_accumulation_steps,
         mixed_precision=args.mixed_precision,
         log_with=None if args.report_to == "none" else args.report_to,
-        project_config=ProjectConfiguration(args.output_dir, logging_dir=f"{args.output_dir}/logs"),
+        project_config=ProjectConfiguration(
+            args.output_dir, logging_dir=os.path.join(args.output_dir, args.logging_dir)
+        ),
         # every process draws the same permutation each epoch and takes its own share of it
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=args.seed),
         step_scheduler_with_optimizer=False,  # the loop steps the LR once per optimizer step
@@ -143,67 +364,91 @@ def main(args):
         torch.backends.cuda.matmul.allow_tf32 = True
     if args.push_to_hub and accelerator.is_main_process:
         with clear_error("--push_to_hub"):  # now, not after hours of training
-            repo = create_repo(os.path.basename(os.path.abspath(args.output_dir)), exist_ok=True)
+            repo = create_repo(
+                args.hub_model_id or os.path.basename(os.path.abspath(args.output_dir)),
+                private=args.hub_private_repo,
+                exist_ok=True,
+            )
 
     # 3. Models: the base pipeline's noise schedule, tokenizer, text encoder, VAE and UNet
-    path, load = args.pretrained_model_name_or_path, dict(variant=args.variant)
+    path = args.pretrained_model_name_or_path
     with clear_error(f"--pretrained_model_name_or_path {path}"):
-        noise_scheduler = DDPMScheduler.from_pretrained(path, subfolder="scheduler")
-        tokenizer = CLIPTokenizer.from_pretrained(path, subfolder="tokenizer")
-        text_encoder = CLIPTextModel.from_pretrained(path, subfolder="text_encoder", **load)
-        vae = AutoencoderKL.from_pretrained(path, subfolder="vae", **load)
-        model = UNet2DConditionModel.from_pretrained(path, subfolder="unet", **load)
+        base = StableDiffusionPipeline.from_pretrained(
+            path,
+            revision=args.revision,
+            variant=args.variant,
+            cache_dir=args.cache_dir,
+            safety_checker=None,  # not needed to train
+            requires_safety_checker=False,
+        )
+    noise_scheduler = DDPMScheduler.from_config(base.scheduler.config)  # the training schedule
+    tokenizer, text_encoder, vae, model = base.tokenizer, base.text_encoder, base.vae, base.unet
     if args.prediction_type is not None:  # ε or v, as the saved scheduler will say
         noise_scheduler.register_to_config(prediction_type=args.prediction_type)
-    # All three are frozen, in the mixed-precision dtype: half the memory
+    # All three are frozen, in the mixed-precision dtype: half the memory.
     dtypes = {"fp16": torch.float16, "bf16": torch.bfloat16}
     weight_dtype = dtypes.get(accelerator.mixed_precision, torch.float32)
     for frozen in (vae, text_encoder, model):
         frozen.requires_grad_(False).to(accelerator.device, dtype=weight_dtype)
-    # LoRA: A Gaussian, B zero (so W' = W at first), as the Diffusers example sets them up
-    lora = dict(r=args.rank, lora_alpha=args.lora_alpha, init_lora_weights="gaussian")
+    # LoRA: A Gaussian, B zero (so W' = W at first), as the Diffusers example sets them up.
+    r, alpha, targets = args.rank, args.lora_alpha, args.lora_target_modules.split(",")
+    config = LoraConfig(r=r, lora_alpha=alpha, init_lora_weights="gaussian", target_modules=targets)
     with clear_error(f"--lora_target_modules {args.lora_target_modules}"):
-        model.add_adapter(LoraConfig(**lora, target_modules=args.lora_target_modules.split(",")))
-    if args.train_text_encoder:  # on CLIP's attention projections
+        model.add_adapter(config)
+    if args.train_text_encoder:  # on CLIP's attention projections, with the same r and α
         targets = ["q_proj", "k_proj", "v_proj", "out_proj"]
-        # peft's own call: transformers' add_adapter wraps it in a gate on peft's version
-        inject_adapter_in_model(LoraConfig(**lora, target_modules=targets), text_encoder)
+        # peft's own call: transformers' add_adapter wraps it in a gate on peft's version.
+        inject_adapter_in_model(replace(config, target_modules=targets), text_encoder)
     trained = [model, text_encoder] if args.train_text_encoder else [model]
-    # A and B in fp32: fp16 gradients could not be unscaled, bf16 updates of 1e-4 would round away
+    # A and B in fp32: fp16 gradients could not be unscaled, bf16 updates of 1e-4 would round away.
     cast_training_params(trained, dtype=torch.float32)
-    lora_params = [p for m in trained for p in m.parameters() if p.requires_grad]  # a list: the
-    # optimizer and the clipping both go through it (a generator would be spent after one)
+    # A list, not a generator: the optimizer and the clipping both go through it.
+    lora_params = [p for m in trained for p in m.parameters() if p.requires_grad]
+    # Under bf16 the model computes with bf16 copies of A and B, as with its frozen weights: fp32
+    # ones would cost casts at every adapted layer (issue #31). The optimizer updates the fp32
+    # masters. (DeepSpeed keeps such masters itself.)
+    master_params = lora_params
+    if weight_dtype == torch.bfloat16 and not plugin:
+        master_params = [p.detach().clone() for p in lora_params]
+        cast_training_params(trained, dtype=weight_dtype)
     if args.gradient_checkpointing:
         model.enable_gradient_checkpointing()
         text_encoder.gradient_checkpointing_enable()
         text_encoder.train()  # transformers checkpoints in training mode only
-    ema_model = EMAModel(lora_params) if args.use_ema else None  # of A and B alone
+    ema_model = None
+    if args.use_ema:  # of A and B alone
+        ema_model = EMAModel(master_params)
 
     # 4. Data: images resized, cropped, flipped, scaled to [-1, 1]; captions tokenized
     train_dataset = load_train_dataset(args, args.image_column)
     if args.instance_prompt is None and args.caption_column not in train_dataset.column_names:
         # kohya's layout: a caption file beside each image (0001.png, 0001.txt)
         read = partial(read_caption, column=args.caption_column, extension=args.caption_extension)
-        with clear_error(f"no column {args.caption_column!r} (--caption_column), no caption file"):
+        way_out = "give --instance_prompt (one prompt for all) or a caption file beside each image"
+        with clear_error(f"no column {args.caption_column!r} (--caption_column); {way_out}"):
             train_dataset = train_dataset.map(read, input_columns=args.image_column)
+    if args.max_train_samples is not None:  # a random subset, for a quick trial
+        count = min(args.max_train_samples, len(train_dataset))
+        train_dataset = train_dataset.shuffle(seed=args.seed).select(range(count))
     crop = transforms.CenterCrop if args.center_crop else transforms.RandomCrop
+    interpolation = transforms.InterpolationMode[args.image_interpolation_mode.upper()]
     augment = transforms.Compose(
         [
-            transforms.Resize(args.resolution, transforms.InterpolationMode.LANCZOS),
+            transforms.Resize(args.resolution, interpolation),
             crop(args.resolution),
             transforms.ToTensor(),
             transforms.Normalize([0.5], [0.5]),  # [0, 1] -> [-1, 1]
         ]
     )
     if args.cache_latents:  # the frozen VAE encodes each image once, here, not in every epoch
-        key = [train_dataset._fingerprint, path, args.variant, args.resolution]
+        key = [train_dataset._fingerprint, path, args.revision, args.variant, args.resolution]
         with accelerator.main_process_first():  # the others read its files
             train_dataset = train_dataset.map(
                 partial(encode_latents, args=args, augment=augment, vae=vae),
                 batched=True,
                 batch_size=args.train_batch_size,
                 remove_columns=args.image_column,
-                new_fingerprint=Hasher.hash([*key, args.random_flip, vae.dtype]),
+                new_fingerprint=Hasher.hash([*key, interpolation, args.random_flip, vae.dtype]),
             )
     size = args.resolution // 2 ** (len(vae.config.block_out_channels) - 1)
     shape = (2 * vae.config.latent_channels, size, size)  # a latent's mean and log-variance
@@ -217,22 +462,29 @@ def main(args):
     )
 
     # 5. Optimizer and LR schedule, over each process's share of the batches
+    accumulation = args.gradient_accumulation_steps
+    total_batch_size = args.train_batch_size * accelerator.num_processes * accumulation
+    if args.scale_lr:  # the Diffusers examples' rule: the rate grows with the batch
+        args.learning_rate *= total_batch_size
     optimizer_class = torch.optim.AdamW
     if args.use_8bit_adam:
         import bitsandbytes
 
         optimizer_class = bitsandbytes.optim.AdamW8bit
     optimizer = optimizer_class(
-        lora_params,
+        master_params,
         lr=args.learning_rate,
         betas=(args.adam_beta1, args.adam_beta2),
         weight_decay=args.adam_weight_decay,
         eps=args.adam_epsilon,
     )
-    accumulation = args.gradient_accumulation_steps
     steps_per_epoch = math.ceil(len(train_dataloader) / accelerator.num_processes / accumulation)
     max_train_steps = args.max_train_steps or args.num_train_epochs * steps_per_epoch
     num_epochs = math.ceil(max_train_steps / steps_per_epoch)
+    if master_params is not lora_params:  # gradients in, weights out: a multi-tensor copy each
+        grads = [torch.zeros_like(p) for p in master_params]
+        optimizer.register_step_pre_hook(partial(to_masters, lora_params, master_params, grads))
+        optimizer.register_step_post_hook(partial(to_copies, lora_params, master_params))
     lr_scheduler = get_scheduler(
         args.lr_scheduler,
         optimizer,
@@ -254,18 +506,23 @@ def main(args):
     #    load_lora_weights reads. DeepSpeed stores its model itself, the LoRA alone too.
     def save_model_hook(models, weights, output_dir):
         if accelerator.is_main_process:
-            save_lora(output_dir, *map(unwrap, models))
+            with fp32_lora(lora_params, master_params):
+                save_lora(output_dir, *map(unwrap, models))
         if accelerator.is_main_process and ema_model is not None:
             torch.save(ema_model.state_dict(), f"{output_dir}/lora_ema.pt")
         weights.clear()  # saved above
 
     def load_model_hook(models, input_dir):
         if models:  # the UNet, then the text encoder if it learns
-            lora = load_file(f"{input_dir}/pytorch_lora_weights.safetensors")
+            saved = load_file(f"{input_dir}/pytorch_lora_weights.safetensors")
             for model, prefix in zip(models, ["unet.", "text_encoder."]):
-                layers = {k[len(prefix) :]: v for k, v in lora.items() if k.startswith(prefix)}
-                if set_peft_model_state_dict(unwrap(model), layers).unexpected_keys:
-                    raise ValueError(f"{input_dir} holds LoRA layers this run does not have")
+                layers = {k[len(prefix) :]: v for k, v in saved.items() if k.startswith(prefix)}
+                with fp32_lora(lora_params, master_params):
+                    loaded = set_peft_model_state_dict(unwrap(model), layers)
+                # Its missing keys also list every frozen weight: only the LoRA's count.
+                missing = [k for k in loaded.missing_keys if "lora_" in k]
+                if loaded.unexpected_keys or missing:
+                    raise ValueError(f"{input_dir} holds other LoRA layers than this run's")
             models.clear()
         if ema_model is not None:
             ema_model.load_state_dict(torch.load(f"{input_dir}/lora_ema.pt", map_location="cpu"))
@@ -281,12 +538,12 @@ def main(args):
         accelerator.init_trackers("text2image-fine-tune", config=hparams)
 
     # 7. The training loop: Algorithm 1 of DDPM on latents, conditioned on the captions
-    total_batch_size = args.train_batch_size * accelerator.num_processes * accumulation
     logger.info(f"{len(train_dataset)} images, {max_train_steps} steps of {total_batch_size}")
     progress_bar = tqdm(
         range(max_train_steps), initial=global_step, disable=not accelerator.is_local_main_process
     )
-    train_loss, start = 0.0, time.perf_counter()
+    # The loss is summed on the device and read every 10 steps: reading it makes the CPU wait.
+    train_loss, logged_step, start = 0.0, global_step, time.perf_counter()
     for epoch in range(first_epoch, num_epochs):
         model.train()
         train_dataset.set_transform(partial(transform, epoch=epoch))
@@ -297,56 +554,67 @@ def main(args):
         for batch in batches:
             with accelerator.accumulate(model, text_encoder):
                 with torch.no_grad():  # the frozen VAE
-                    # z_0: a sample of the VAE's posterior N(μ, σ²), scaled to unit variance
+                    # z_0 ~ q(z_0): a sample of the VAE's posterior N(μ, σ²), scaled to unit
+                    # variance.
                     if args.cache_latents:
                         posterior = DiagonalGaussianDistribution(batch["latent_moments"])
                     else:
                         posterior = vae.encode(batch["pixel_values"].to(vae.dtype)).latent_dist
                     latents = posterior.sample().float() * vae.config.scaling_factor
                 with torch.set_grad_enabled(args.train_text_encoder):  # its LoRA learns, or not
-                    encoder_hidden_states = text_encoder(batch["input_ids"])[0]  # c
-                noise = torch.randn_like(latents)  # ε ~ N(0, I)
+                    # c: the caption's text-encoder states, which the UNet reads.
+                    encoder_hidden_states = text_encoder(batch["input_ids"])[0]
+                # ε ~ N(0, I): the noise to mix in.
+                noise = torch.randn_like(latents)
                 bsz, device = len(latents), latents.device
                 if args.noise_offset:  # shifts whole channels: learns very dark or light
                     noise += args.noise_offset * torch.randn(*noise.shape[:2], 1, 1, device=device)
-                T = noise_scheduler.config.num_train_timesteps  # t ~ U{0, ..., T-1}:
+                # t ~ U{0, ..., T-1}: a timestep per image.
+                T = noise_scheduler.config.num_train_timesteps
                 timesteps = torch.randint(0, T, (bsz,), device=device)
-                # the forward process in closed form: z_t = √ᾱ_t·z_0 + √(1-ᾱ_t)·ε
+                # z_t = √ᾱ_t·z_0 + √(1-ᾱ_t)·ε: the forward process in closed form (DDPM, eq. 4).
                 noisy_latents = noise_scheduler.add_noise(latents, noise, timesteps)
+                # The target: ε, or v = √ᾱ_t·ε - √(1-ᾱ_t)·z_0 (Salimans & Ho 2022).
                 if noise_scheduler.config.prediction_type == "epsilon":
                     target = noise
-                else:  # v = √ᾱ_t·ε - √(1-ᾱ_t)·z_0 (Salimans & Ho 2022)
+                else:
                     target = noise_scheduler.get_velocity(latents, noise, timesteps)
-                # ε_θ(z_t, t, c), in the mixed-precision dtype (DeepSpeed's model holds it)
+                # ε_θ(z_t, t, c): the prediction. Its input is cast to the mixed-precision dtype,
+                # as DeepSpeed keeps the model's own weights in that dtype (autocast takes either).
                 noisy_latents = noisy_latents.to(weight_dtype)
                 model_output = model(noisy_latents, timesteps, encoder_hidden_states).sample
-                # ‖ε - ε_θ(z_t, t, c)‖², a value per image so that Min-SNR-γ can weight it
+                # ‖ε - ε_θ(z_t, t, c)‖²: the simplified loss (DDPM, eq. 14), a value per image so
+                # that Min-SNR-γ can weight it.
                 loss = F.mse_loss(model_output.float(), target.float(), reduction="none")
                 loss = loss.mean(dim=[1, 2, 3])
                 if args.snr_gamma is not None:
                     loss = loss * min_snr_weights(noise_scheduler, timesteps, args.snr_gamma)
                 loss = loss.mean()
-                accelerator.backward(loss)  # gradients, averaged over processes
+                # ∇_θ of the loss, averaged over processes; clipped once every micro-batch is in.
+                accelerator.backward(loss)
                 if accelerator.sync_gradients:
                     accelerator.clip_grad_norm_(lora_params, args.max_grad_norm)
-                optimizer.step()  # a gradient step, once every micro-batch is in
+                # A gradient step (accelerate skips it until the last micro-batch).
+                optimizer.step()
                 optimizer.zero_grad()
                 train_loss += loss.detach() / accumulation
 
             if accelerator.sync_gradients:  # an optimizer step happened
                 lr_scheduler.step()
                 if ema_model is not None:
-                    ema_model.step(lora_params)
+                    ema_model.step(master_params)
                 global_step += 1
-                logs = {
-                    "loss": accelerator.reduce(train_loss, "mean").item(),  # over processes
-                    "lr": lr_scheduler.get_last_lr()[0],
-                    "img/s": total_batch_size / (time.perf_counter() - start),
-                }
                 progress_bar.update(1)
-                progress_bar.set_postfix(**logs)
-                accelerator.log(logs, step=global_step)
-                train_loss, start = 0.0, time.perf_counter()
+                if global_step % 10 == 0 or global_step >= max_train_steps:
+                    steps, logged_step = global_step - logged_step, global_step
+                    logs = {
+                        "loss": accelerator.reduce(train_loss, "mean").item() / steps,  # per step
+                        "lr": lr_scheduler.get_last_lr()[0],
+                        "img/s": steps * total_batch_size / (time.perf_counter() - start),
+                    }
+                    progress_bar.set_postfix(**logs)
+                    accelerator.log(logs, step=global_step)
+                    train_loss, start = 0.0, time.perf_counter()
                 if global_step % args.checkpointing_steps == 0:
                     save_checkpoint(accelerator, args, global_step)
             if global_step >= max_train_steps:
@@ -359,21 +627,23 @@ def main(args):
             sampler = DPMSolverMultistepScheduler.from_config(noise_scheduler.config)
             encoder = unwrap(text_encoder)
             parts = dict(vae=vae, text_encoder=encoder, tokenizer=tokenizer, scheduler=sampler)
-            log_validation(
-                accelerator, args, unwrap(model), ema_model, parts, global_step, lora_params
-            )
+            with fp32_lora(lora_params, master_params):
+                log_validation(
+                    accelerator, args, unwrap(model), ema_model, parts, global_step, master_params
+                )
         if last_epoch:
             break
 
     # 9. Final save: the LoRA (EMA weights if any) in the file diffusers loads, and in kohya's
     #    for ComfyUI, A1111/Forge and kohya's own scripts
-    accelerator.wait_for_everyone()
+    accelerator.wait_for_everyone()  # every process has finished its last step
     if accelerator.is_main_process:
-        if ema_model is not None:
-            ema_model.copy_to(lora_params)
         unet, text_encoder = unwrap(model), unwrap(text_encoder)
-        save_lora(args.output_dir, unet, text_encoder if args.train_text_encoder else None)
-        save_kohya(args, unet, text_encoder if args.train_text_encoder else None)
+        with fp32_lora(lora_params, master_params):
+            if ema_model is not None:
+                ema_model.copy_to(master_params)
+            save_lora(args.output_dir, unet, text_encoder if args.train_text_encoder else None)
+            save_kohya(args, unet, text_encoder if args.train_text_encoder else None)
         logger.info(f"Saved to {args.output_dir}")
         if args.push_to_hub:
             upload_folder(
@@ -395,15 +665,19 @@ def load_train_dataset(args, *columns):
     """A hub dataset or an imagefolder, and a "row" column that seeds each image's crop and flip."""
     if args.dataset_name:
         with clear_error(f"--dataset_name {args.dataset_name}"):
-            dataset = datasets.load_dataset(args.dataset_name)["train"]
+            name, config = args.dataset_name, args.dataset_config_name
+            dataset = datasets.load_dataset(name, config, cache_dir=args.cache_dir)["train"]
     else:
         with clear_error(f"--train_data_dir {args.train_data_dir}"):
             files = {"train": os.path.join(args.train_data_dir, "**")}
-            dataset = datasets.load_dataset("imagefolder", data_files=files)["train"]
+            dataset = datasets.load_dataset(
+                "imagefolder", data_files=files, cache_dir=args.cache_dir
+            )
+            dataset = dataset["train"]
     for column in columns:
         if column not in dataset.column_names:
             raise SystemExit(f"error: no column {column!r}; the dataset has {dataset.column_names}")
-    # decoded by open_image, so that a file that cannot be read is named
+    # Decoded by open_image, so that a file that cannot be read is named.
     dataset = dataset.cast_column(args.image_column, datasets.Image(decode=False))
     return dataset.add_column("row", range(len(dataset)))
 
@@ -429,7 +703,7 @@ def preprocess(examples, args, augment, tokenizer, shape, epoch):
         with torch.random.fork_rng(devices=[]):
             seed = (args.seed * 1_000_003 + epoch) * 1_000_003 + row  # one per image and epoch
             torch.default_generator.manual_seed(seed % 2**32)  # torch keeps 32 bits of a seed
-            flip = torch.rand(()) < (0.5 if args.random_flip else 0.0)
+            flip = args.random_flip and bool(torch.rand(()) < 0.5)  # no draw if no flip
             if args.cache_latents:  # the moments of both sides are cached: pick one
                 data = bytearray(examples["latent_moments"][i])
                 moments = torch.frombuffer(data, dtype=torch.float32).view(-1, *shape)
@@ -440,7 +714,8 @@ def preprocess(examples, args, augment, tokenizer, shape, epoch):
             caption = args.instance_prompt or examples[args.caption_column][i] or ""  # None: ∅
             if not isinstance(caption, str):  # a list of captions: one of them
                 caption = caption[torch.randint(len(caption), ())]
-            if torch.rand(()) < args.caption_dropout_rate:  # the empty prompt ∅, for guidance
+            if args.caption_dropout_rate and torch.rand(()) < args.caption_dropout_rate:
+                # The empty prompt ∅, for guidance.
                 caption = ""
             captions.append(caption)
     batch = {name: values for name, values in batch.items() if len(values)}
@@ -508,24 +783,63 @@ def resume_from_checkpoint(accelerator, args):
         return int(path.rsplit("-", 1)[1])
 
 
-def log_validation(accelerator, args, unet, ema_model, parts, global_step, lora_params):
+def log_validation(accelerator, args, unet, ema_model, parts, global_step, master_params):
     """A row per prompt: its images at LoRA scale 0 (the base model), then at scale 1."""
     unet.eval()  # no dropout while sampling
     if ema_model is not None:  # sample with the EMA weights, then put the trained ones back
-        ema_model.store(lora_params)
-        ema_model.copy_to(lora_params)
-    # from the modules in memory (no second VAE or text encoder); the trained A, B never cast
-    none = dict(safety_checker=None, feature_extractor=None, requires_safety_checker=False)
-    pipeline = StableDiffusionPipeline(**parts, unet=unet, **none)
+        ema_model.store(master_params)
+        ema_model.copy_to(master_params)
+    # From the modules in memory (no second VAE or text encoder); the trained A, B never cast.
+    pipeline = StableDiffusionPipeline(
+        **parts,
+        unet=unet,
+        safety_checker=None,
+        feature_extractor=None,
+        requires_safety_checker=False,
+    )
     pipeline.set_progress_bar_config(disable=True)
-    n = args.num_validation_images  # per prompt: LoRA off (the base model), then on
-    lora = [dict(num_images_per_prompt=n, cross_attention_kwargs={"scale": s}) for s in (0, 1)]
-    images = torch.stack([generate(accelerator, args, pipeline, **kwargs) for kwargs in lora])
+    n, images = args.num_validation_images, []
+    for scale in (0, 1):  # the LoRA off (the base model), then on
+        kwargs = dict(num_images_per_prompt=n, cross_attention_kwargs={"scale": scale})
+        images.append(generate(accelerator, args, pipeline, **kwargs).split(n))  # n a prompt
     if ema_model is not None:
-        ema_model.restore(lora_params)
+        ema_model.restore(master_params)
     unet.train()
-    images = images.unflatten(1, (-1, n)).transpose(0, 1).flatten(0, 2)  # a row per prompt
-    save_grid(accelerator, args, images, global_step, nrow=2 * n)
+    # A row per prompt: its n images without the LoRA, then its n with it.
+    rows = [torch.cat(row) for row in zip(*images)]
+    save_grid(accelerator, args, torch.cat(rows), global_step, nrow=2 * n)
+
+
+def to_masters(lora_params, master_params, grads, *hook_args):
+    """Before an optimizer step: the bf16 copies' gradients, into the fp32 masters'."""
+    torch._foreach_copy_(grads, [p.grad for p in lora_params])
+    for master, grad in zip(master_params, grads):
+        master.grad = grad
+
+
+@torch.no_grad()
+def to_copies(lora_params, master_params, *hook_args):
+    """After it: the updated masters, into the bf16 copies, whose gradients start anew."""
+    torch._foreach_copy_(lora_params, master_params)
+    for p in lora_params:
+        p.grad = None
+
+
+@contextmanager
+def fp32_lora(lora_params, master_params):
+    """The model's A and B are the fp32 masters meanwhile (to save, load or sample them)."""
+    if master_params is lora_params:  # fp32 already
+        yield
+        return
+    copies = [p.data for p in lora_params]
+    for p, master in zip(lora_params, master_params):
+        p.data = master
+    try:
+        yield
+    finally:
+        for p, copy in zip(lora_params, copies):
+            p.data = copy
+        torch._foreach_copy_(copies, master_params)  # what was loaded, if anything
 
 
 def generate(accelerator, args, pipeline, **kwargs):

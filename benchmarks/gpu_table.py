@@ -521,6 +521,7 @@ def run_row(args, row, pipeline, data):
     else:
         durations = [b - a for a, b in itertools.pairwise(times)][args.warmup - 1 :]
         result["step_s"] = statistics.median(durations)
+        result["first_step_s"] = times[0] - timed["start"]
         peak = timed.get("max_memory_allocated")
         result["peak_gib"] = peak / 2**30 if peak is not None else None
     row.result = result
@@ -713,6 +714,11 @@ def format_table(args, rows, device, peak, notes):
                 format_ratio(rows, row),
             ]
         lines.append("| " + " | ".join(cells) + " |")
+    firsts = [
+        f"{r.id} {r.result['first_step_s']:.0f} s" for r in rows if "first_step_s" in r.result
+    ]
+    if firsts:  # compilation shows here: the compiled rows' first step
+        notes = [*notes, "from launch to the end of the first step: " + ", ".join(firsts)]
     lines += ["", *[f"- {note}" for note in notes]]
     return "\n".join(lines) + "\n"
 

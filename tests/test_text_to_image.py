@@ -145,20 +145,61 @@ def test_deepspeed_zero3_trains_validates_and_saves_the_whole_pipeline(common, t
     assert (out / "samples" / "step-2.png").exists()
 
 
-def test_the_diffusers_readme_command_parses():  # less xformers: torch's SDPA is the default now
-    args = import_script("train_text_to_image").parse_args(
-        ["--pretrained_model_name_or_path=CompVis/stable-diffusion-v1-4", "--dataset_name=lambdalabs/naruto-blip-captions",
-         "--use_ema", "--resolution=512", "--center_crop", "--random_flip", "--train_batch_size=1",
-         "--gradient_accumulation_steps=4", "--gradient_checkpointing", "--max_train_steps=15000",
-         "--learning_rate=1e-05", "--max_grad_norm=1", "--lr_scheduler=constant", "--lr_warmup_steps=0",
-         "--output_dir=sd-naruto-model"])
-    assert args.max_train_steps == 15000 and args.gradient_checkpointing
+def test_the_diffusers_readme_command_runs(tiny_sd_path, sd_folder, tmp_path, capsys):
+    """examples/text_to_image/README.md's command, flags as written, for 2 steps. Adapted: the model is the tiny
+    SD and the dataset a local imagefolder (offline); `accelerate launch --mixed_precision="fp16"` is left out
+    (fp16 needs a GPU: this CPU runs fp32)."""
+    from diffusers import StableDiffusionPipeline
+
+    out = tmp_path / "sd-naruto-model"
+    train_in_process(SCRIPT, [
+        f"--pretrained_model_name_or_path={tiny_sd_path}", f"--dataset_name={sd_folder}", "--use_ema",
+        "--resolution=512", "--center_crop", "--random_flip", "--train_batch_size=1", "--gradient_accumulation_steps=4",
+        "--gradient_checkpointing", "--max_train_steps=15000", "--learning_rate=1e-05", "--max_grad_norm=1",
+        "--lr_scheduler=constant", "--lr_warmup_steps=0", f"--output_dir={out}", "--max_train_steps", "2"])
+    StableDiffusionPipeline.from_pretrained(out)
+    assert list((out / "logs" / "text2image-fine-tune").iterdir())  # TensorBoard's events, in --logging_dir
+
+
+@pytest.mark.parametrize("flag, why", [
+    (["--hub_token", "hf_x"], "--hub_token is left out: a token on a command line lands in shell history and logs; "
+                              "run `huggingface-cli login` or set HF_TOKEN"),
+    (["--dream_training"], "--dream_training is left out: "),
+    (["--non_ema_revision", "main"], "--non_ema_revision is left out: "),
+])
+def test_a_refused_official_flag_ends_in_one_line(flag, why, capsys):
+    with pytest.raises(SystemExit):
+        import_script("train_text_to_image").parse_args(["--pretrained_model_name_or_path", "x", "--train_data_dir", "y",
+                                                         *flag])
+    error = capsys.readouterr().err.splitlines()[-1]  # after argparse's usage line
+    assert error.split(": error: ", 1)[1].startswith(why)
+
+
+def test_ignored_official_flags_say_so_and_train(common, tmp_path, capsys):
+    flags = ["--enable_xformers_memory_efficient_attention", "--offload_ema", "--foreach_ema",
+             "--dream_detail_preservation", "0.5"]
+    train_in_process(SCRIPT, common + ["--output_dir", tmp_path, "--max_train_steps", "1", *flags])
+    notes = [line for line in capsys.readouterr().out.splitlines() if line.startswith("note: ")]
+    assert sorted(n.split()[1] for n in notes) == sorted(f for f in flags if f.startswith("--"))
+    assert (tmp_path / "unet").is_dir()
+
+
+def test_max_train_samples_makes_an_epoch_shorter_and_scale_lr_multiplies(common, tmp_path):
+    """5 of the 12 images at batch 2: an epoch of 3 steps, not 6; the rate 1e-3 x the total batch 2."""
+    at = common.index("--max_train_steps")
+    args = common[:at] + common[at + 2:] + ["--output_dir", tmp_path, "--max_train_samples", "5", "--num_train_epochs",
+                                            "1", "--scale_lr", "--train_batch_size", "2", "--checkpointing_steps", "1"]
+    train_in_process(SCRIPT, args)
+    assert checkpoints(tmp_path) == ["checkpoint-1", "checkpoint-2", "checkpoint-3"]
+    scheduler = torch.load(tmp_path / "checkpoint-3" / "scheduler.bin", weights_only=False)
+    assert scheduler["base_lrs"] == [pytest.approx(2e-3)]
 
 
 @pytest.mark.parametrize("case, expected", [
     ("not_a_pipeline", "error: --pretrained_model_name_or_path {empty}: "),
     ("no_such_dir", "error: --train_data_dir /no/such/dir: "),
-    ("no_captions", "error: no column 'caption' (--caption_column), no caption file: FileNotFoundError: "),
+    ("no_captions", "error: no column 'caption' (--caption_column); give --instance_prompt (one prompt for all) or a "
+                    "caption file beside each image: FileNotFoundError: "),
     ("corrupt_image", "error: image "),
     ("fp16_on_cpu", "error: --mixed_precision fp16 needs a GPU"),
     ("missing_checkpoint", "error: --resume_from_checkpoint "),

@@ -59,17 +59,8 @@ def parse_args(argv=None):
     p.add_argument(
         "--image_column", default="image", help="The dataset column that holds the images."
     )
-    p.add_argument(
-        "--label_column",
-        default="label",
-        help="The dataset column that holds each image's class, 0 to N-1.",
-    )
-    p.add_argument(
-        "--class_dropout_prob",
-        type=float,
-        default=0.1,
-        help="The share of labels replaced by the null class ∅, so that guidance can be used.",
-    )
+    p.add_argument("--label_column", default="label", help="The column of class labels, 0 to N-1.")
+    p.add_argument("--class_dropout_prob", type=float, default=0.1, help="Share of labels made ∅.")
     p.add_argument(
         "--cache_dir",
         help="Where downloaded models and datasets are stored (default: the Hugging Face cache).",
@@ -252,18 +243,8 @@ def parse_args(argv=None):
         choices=["epsilon", "v_prediction", "flow_prediction"],
         help="The target: the noise ε, v = √ᾱ_t·ε - √(1-ᾱ_t)·x_0, or flow matching's ε - x_0.",
     )
-    p.add_argument(
-        "--logit_mean",
-        type=float,
-        default=0.0,
-        help="Flow matching: σ = sigmoid(n), n ~ N(mean, std²); SD3's 0 centres σ on 1/2.",
-    )
-    p.add_argument(
-        "--logit_std",
-        type=float,
-        default=1.0,
-        help="Flow matching: the spread of logit σ; SD3's 1.",
-    )
+    p.add_argument("--logit_mean", type=float, default=0.0, help="Flow: mean of logit σ (SD3: 0).")
+    p.add_argument("--logit_std", type=float, default=1.0, help="Flow: std of logit σ (SD3: 1).")
     p.add_argument(
         "--snr_gamma",
         type=float,
@@ -282,18 +263,9 @@ def parse_args(argv=None):
         default="linear",
         help="The noise schedule β_1..β_T: linear (DDPM's), scaled_linear or squaredcos_cap_v2.",
     )
-    p.add_argument(
-        "--num_inference_steps",
-        type=int,
-        default=50,
-        help="Sampling steps for the validation images (DDIM; DPM-Solver++ for flow).",
-    )
-    p.add_argument(
-        "--guidance_scale",
-        type=float,
-        default=4.0,
-        help="Classifier-free guidance scale s of the validation images; 1 is no guidance.",
-    )
+    # Tens of DDIM (or DPM-Solver++) steps, not DDPM's 1000: hence not --ddpm_num_inference_steps.
+    p.add_argument("--num_inference_steps", type=int, default=50, help="Validation sampling steps.")
+    p.add_argument("--guidance_scale", type=float, default=4.0, help="Validation guidance scale s.")
     p.add_argument(
         "--checkpointing_steps",
         type=int,
@@ -418,12 +390,11 @@ def main(args):
     )
     # The sampler of validation and of the saved pipeline: DDIM on the βs for ε and v; for flow,
     # DPM-Solver++ on σ, which DiTPipeline can call (FlowMatchEulerDiscreteScheduler it cannot).
+    sampler = DDIMScheduler.from_config(noise_scheduler.config)
     if args.prediction_type == "flow_prediction":
         sampler = DPMSolverMultistepScheduler(
             use_flow_sigmas=True, prediction_type="flow_prediction", flow_shift=1.0
         )
-    else:
-        sampler = DDIMScheduler.from_config(noise_scheduler.config)
     ema_model = None
     if args.use_ema:  # the paper's EMA: a constant decay
         decay = dict(decay=args.ema_max_decay, min_decay=args.ema_max_decay)
@@ -541,10 +512,7 @@ def main(args):
         for batch in batches:
             with accelerator.accumulate(model):
                 # x_0 ~ q(x_0): a batch of training images, or of their latents.
-                if vae is None:
-                    clean_images = batch["pixel_values"]
-                else:
-                    clean_images = sample_latents(vae, batch, args.cache_latents)
+                clean_images = sample_latents(vae, batch, args) if vae else batch["pixel_values"]
                 # ε ~ N(0, I): the noise to mix in.
                 noise = torch.randn_like(clean_images)
                 bsz, device = len(clean_images), clean_images.device
@@ -558,19 +526,20 @@ def main(args):
                     noisy_images = (1 - sigma) * clean_images + sigma * noise
                     # t = 1000·σ, diffusers' scale: on 0..1 the sinusoidal embedding barely varies.
                     timesteps = 1000 * sigmas
-                    # v = dx_σ/dσ = ε - x_0: the velocity along that line (Lipman et al. 2023).
-                    target = noise - clean_images
                 else:
                     # t ~ U{0, ..., T-1}: a timestep per image.
                     T = noise_scheduler.config.num_train_timesteps
                     timesteps = torch.randint(0, T, (bsz,), device=device)
                     # x_t = √ᾱ_t·x_0 + √(1-ᾱ_t)·ε: the forward process in closed form (DDPM, eq. 4).
                     noisy_images = noise_scheduler.add_noise(clean_images, noise, timesteps)
-                    # The target: ε itself, or v = √ᾱ_t·ε - √(1-ᾱ_t)·x_0 (Salimans & Ho 2022).
-                    if args.prediction_type == "epsilon":
-                        target = noise
-                    else:
-                        target = noise_scheduler.get_velocity(clean_images, noise, timesteps)
+                # The target: ε itself, or v = √ᾱ_t·ε - √(1-ᾱ_t)·x_0 (Salimans & Ho 2022), or for
+                # flow v = dx_σ/dσ = ε - x_0, the velocity along the line (Lipman et al. 2023).
+                if args.prediction_type == "epsilon":
+                    target = noise
+                elif args.prediction_type == "v_prediction":
+                    target = noise_scheduler.get_velocity(clean_images, noise, timesteps)
+                else:
+                    target = noise - clean_images
                 # The paper's label dropout, for guidance: y = ∅ with p = --class_dropout_prob.
                 dropped = torch.rand(bsz, device=device) < args.class_dropout_prob
                 class_labels = batch["class_labels"].masked_fill(dropped, null_class)
@@ -679,6 +648,7 @@ def preprocess(examples, args, augment, shape, epoch):
         with torch.random.fork_rng(devices=[]):
             seed = (args.seed * 1_000_003 + epoch) * 1_000_003 + row  # one per image and epoch
             torch.default_generator.manual_seed(seed % 2**32)  # torch keeps 32 bits of a seed
+            # Drawn here, not in augment as in train_unconditional: it picks a cached latent's side.
             flip = torch.rand(()) < (0.5 if args.random_flip else 0.0)
             if args.cache_latents:  # the moments of both sides are cached: pick one
                 data = bytearray(examples["latent_moments"][i])
@@ -702,10 +672,10 @@ def encode_latents(examples, args, augment, vae):
 
 
 @torch.no_grad()
-def sample_latents(vae, batch, cached):
+def sample_latents(vae, batch, args):
     """x_0 in latent space: a sample of the VAE's posterior N(μ, σ²), its moments cached or encoded
     now, scaled to unit variance as in latent diffusion."""
-    if cached:
+    if args.cache_latents:
         posterior = DiagonalGaussianDistribution(batch["latent_moments"])
     else:
         posterior = vae.encode(batch["pixel_values"].to(vae.dtype)).latent_dist
@@ -781,19 +751,19 @@ def resume_from_checkpoint(accelerator, args):
         return int(path.rsplit("-", 1)[1])
 
 
-def log_validation(accelerator, args, transformer, ema_model, sampler, vae, global_step):
-    transformer.eval()  # no dropout while sampling
+def log_validation(accelerator, args, model, ema_model, sampler, vae, global_step):
+    model.eval()  # no dropout while sampling
     if ema_model is not None:  # sample with the EMA weights, then put the trained ones back
-        ema_model.store(transformer.parameters())
-        ema_model.copy_to(transformer.parameters())
-    classes = torch.arange(min(10, transformer.config.num_embeds_ada_norm))  # the first 10
+        ema_model.store(model.parameters())
+        ema_model.copy_to(model.parameters())
+    classes = torch.arange(min(10, model.config.num_embeds_ada_norm))  # the first 10
     labels = classes.repeat_interleave(args.eval_batch_size).to(accelerator.device)
     generator = torch.Generator().manual_seed(0)  # the same noise each time: progress shows
     steps, scale = args.num_inference_steps, args.guidance_scale
-    images = sample_images(transformer, sampler, labels, scale, steps, vae, generator)
+    images = sample_images(model, sampler, labels, scale, steps, vae, generator)
     if ema_model is not None:
-        ema_model.restore(transformer.parameters())
-    transformer.train()
+        ema_model.restore(model.parameters())
+    model.train()
     save_grid(accelerator, args, images, global_step, nrow=args.eval_batch_size)
 
 
@@ -818,16 +788,15 @@ def sample_images(model, scheduler, class_labels, guidance_scale, steps, vae=Non
     return (x / 2 + 0.5).clamp(0, 1)
 
 
-def save_pipeline(args, transformer, ema_model, sampler, names):
-    """The DiTPipeline folder in --output_dir, with the class names (id2label) and the EMA
-    weights if any (then restored)."""
+def save_pipeline(args, model, ema_model, sampler, names):
+    """The DiTPipeline folder in --output_dir, with id2label, EMA weights if any (then restored)."""
     if ema_model is not None:
-        ema_model.store(transformer.parameters())
-        ema_model.copy_to(transformer.parameters())
+        ema_model.store(model.parameters())
+        ema_model.copy_to(model.parameters())
     vae = None
     if args.pretrained_vae_model_name_or_path:  # as on disk, not in the mixed-precision dtype
         vae = AutoencoderKL.from_pretrained(args.pretrained_vae_model_name_or_path)
-    pipeline = DiTPipeline(transformer=transformer, vae=vae, scheduler=sampler)
+    pipeline = DiTPipeline(transformer=model, vae=vae, scheduler=sampler)
     pipeline.register_to_config(id2label={i: str(name) for i, name in enumerate(names)})
     # In pixel space there is no vae/ to save: the line below says so, not diffusers' warning.
     verbosity = diffusers_logging.get_verbosity()
@@ -835,7 +804,7 @@ def save_pipeline(args, transformer, ema_model, sampler, names):
     pipeline.save_pretrained(args.output_dir)
     diffusers_logging.set_verbosity(verbosity)
     if ema_model is not None:
-        ema_model.restore(transformer.parameters())
+        ema_model.restore(model.parameters())
     what = "the pipeline" if vae else "transformer/ and scheduler/ (pixel space: no vae/)"
     logger.info(f"Saved {what} to {args.output_dir}")
 

@@ -62,10 +62,7 @@ def parse_args(argv=None):
     p.add_argument(
         "--preserve_input_precision",
         action="store_true",
-        help=(
-            "Left out: images are read as 8-bit RGB, as the Diffusers example reads them without "
-            "it."
-        ),
+        help="Left out: images load as 8-bit RGB.",
     )
     p.add_argument(
         "--model_config_name_or_path",
@@ -195,16 +192,10 @@ def parse_args(argv=None):
         help="Keep an exponential moving average of the weights, and save and sample with it.",
     )
     p.add_argument(
-        "--ema_inv_gamma",
-        type=float,
-        default=1.0,
-        help="The EMA's warm-up: its decay at step n is 1 - (1 + n / inv_gamma)^-power.",
+        "--ema_inv_gamma", type=float, default=1.0, help="EMA warm-up: decay 1 - (1 + n/γ)^-power."
     )
     p.add_argument(
-        "--ema_power",
-        type=float,
-        default=3 / 4,
-        help="The EMA's warm-up power; 3/4 reaches 0.999 at 10k steps, 2/3 at 1M.",
+        "--ema_power", type=float, default=3 / 4, help="That power; 3/4 reaches 0.999 at 10k steps."
     )
     p.add_argument(
         "--ema_max_decay",
@@ -258,10 +249,7 @@ def parse_args(argv=None):
         help="T, the forward process's number of timesteps.",
     )
     p.add_argument(
-        "--ddpm_num_inference_steps",
-        type=int,
-        default=1000,
-        help="DDPM sampling steps for the validation images (Algorithm 2).",
+        "--ddpm_num_inference_steps", type=int, default=1000, help="DDPM steps to validate with."
     )
     p.add_argument(
         "--ddpm_beta_schedule",
@@ -671,13 +659,13 @@ def resume_from_checkpoint(accelerator, args):
         return int(path.rsplit("-", 1)[1])
 
 
-def log_validation(accelerator, args, unet, ema_model, noise_scheduler, global_step):
-    unet.eval()  # no dropout while sampling
-    pipeline = DDPMPipeline(unet=unet, scheduler=DDPMScheduler.from_config(noise_scheduler.config))
+def log_validation(accelerator, args, model, ema_model, noise_scheduler, global_step):
+    model.eval()  # no dropout while sampling
+    pipeline = DDPMPipeline(unet=model, scheduler=DDPMScheduler.from_config(noise_scheduler.config))
     pipeline.set_progress_bar_config(disable=True)
     if ema_model is not None:  # sample with the EMA weights, then put the trained ones back
-        ema_model.store(unet.parameters())
-        ema_model.copy_to(unet.parameters())
+        ema_model.store(model.parameters())
+        ema_model.copy_to(model.parameters())
     images = pipeline(
         batch_size=args.eval_batch_size,
         num_inference_steps=args.ddpm_num_inference_steps,
@@ -685,19 +673,19 @@ def log_validation(accelerator, args, unet, ema_model, noise_scheduler, global_s
         output_type="pt",
     ).images.float()
     if ema_model is not None:
-        ema_model.restore(unet.parameters())
-    unet.train()
+        ema_model.restore(model.parameters())
+    model.train()
     save_grid(accelerator, args, images, global_step, nrow=math.ceil(len(images) ** 0.5))
 
 
-def save_pipeline(args, unet, ema_model, noise_scheduler):
+def save_pipeline(args, model, ema_model, noise_scheduler):
     """The DDPMPipeline folder in --output_dir, with the EMA weights if any (then restored)."""
     if ema_model is not None:
-        ema_model.store(unet.parameters())
-        ema_model.copy_to(unet.parameters())
-    DDPMPipeline(unet=unet, scheduler=noise_scheduler).save_pretrained(args.output_dir)
+        ema_model.store(model.parameters())
+        ema_model.copy_to(model.parameters())
+    DDPMPipeline(unet=model, scheduler=noise_scheduler).save_pretrained(args.output_dir)
     if ema_model is not None:
-        ema_model.restore(unet.parameters())
+        ema_model.restore(model.parameters())
     logger.info(f"Saved the pipeline to {args.output_dir}")
 
 

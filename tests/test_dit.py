@@ -162,14 +162,17 @@ def flow_run(tmp_path_factory, common):
         patch.setattr(torch, "randn_like", record_noise)
         patch.setattr(DiTTransformer2DModel, "forward", record_input)
         patch.setattr(torch.nn.functional, "mse_loss", record_target)
+        levels = [logger.level for logger in loggers]
         for logger in loggers:
             logger.addHandler(handler)
+            logger.setLevel("INFO")  # the script's own line is INFO; diffusers' warning would pass too
         try:
             train_in_process(SCRIPT, common + ["--output_dir", out, "--prediction_type", "flow_prediction",
                                                "--max_train_steps", "2", "--save_images_epochs", "9"])
         finally:
-            for logger in loggers:
+            for logger, level in zip(loggers, levels):
                 logger.removeHandler(handler)
+                logger.setLevel(level)
     return out, seen, log
 
 
@@ -186,7 +189,7 @@ def test_flow_matching_trains_on_the_straight_line_from_data_to_noise(flow_run):
 
 def test_a_pixel_space_save_says_what_it_wrote(flow_run):
     out, _, log = flow_run
-    assert f"Saved transformer/ and scheduler/ (pixel space: no vae/) to {out}" in log
+    assert any(line.endswith(f"Saved transformer/ and scheduler/ (pixel space: no vae/) to {out}") for line in log)
     assert not any("cannot be saved" in line for line in log)  # diffusers' warning about vae=None
 
 

@@ -179,9 +179,8 @@ def dit_objectives(out):
             ax.axhline(real, color="0.5", lw=0.8, label="real digits")
         ax.set(xscale="log", xlabel="sampling steps (DPM-Solver++ 2M)", title=label)
         ax.set_xticks([1, 2, 5, 10, 25], ["1", "2", "5", "10", "25"])
-    axes[0].legend(fontsize=7)
-    axes[2].legend(fontsize=7, handles=axes[2].get_lines()[-1:])
     fig.tight_layout()
+    fig.legend(handles=axes[2].get_lines(), fontsize=7, loc="center left", bbox_to_anchor=(1.0, 0.55))
     caption(fig, "docs/experiments.py dit_objectives: the DiT digits demo at 20 epochs (2,260 steps) with "
                  "--prediction_type epsilon, v_prediction or flow_prediction; 200 samples (20 a class) judged by the "
                  "guides' SVC; distance: mean L2 on the 8x8 ink grid (0-16) to the nearest of the 1,797 real digits.")

@@ -32,10 +32,11 @@ from accelerate.utils import DataLoaderConfiguration, InitProcessGroupKwargs, Pr
 from accelerate.utils import set_seed
 from datasets.fingerprint import Hasher
 from diffusers import AutoencoderKL, DDIMScheduler, DDPMScheduler, DiTPipeline
-from diffusers import DiTTransformer2DModel
+from diffusers import DiTTransformer2DModel, DPMSolverMultistepScheduler
 from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
 from diffusers.optimization import get_scheduler
-from diffusers.training_utils import EMAModel, compute_snr
+from diffusers.training_utils import EMAModel, compute_density_for_timestep_sampling, compute_snr
+from diffusers.utils import logging as diffusers_logging
 from huggingface_hub import create_repo, upload_folder
 from torchvision import transforms
 from tqdm.auto import tqdm
@@ -46,51 +47,283 @@ logger = get_logger(__name__)
 # 1. Arguments: train_unconditional.py's flags, the DiT paper's defaults
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description="Train a class-conditional DiT from scratch.")
-    p.add_argument("--dataset_name", help="A hub dataset, or a local dataset folder.")
-    p.add_argument("--train_data_dir", help="An imagefolder (if no --dataset_name).")
-    p.add_argument("--image_column", default="image")
-    p.add_argument("--label_column", default="label", help="Classes 0..N-1.")
-    p.add_argument("--class_dropout_prob", type=float, default=0.1)
-    p.add_argument("--model_config_name_or_path", required=True, help="e.g. configs/dit-b-2")
-    p.add_argument("--pretrained_vae_model_name_or_path", help="Train in this VAE's latents.")
-    p.add_argument("--cache_latents", action="store_true", help="Encode each image once.")
-    p.add_argument("--output_dir", default="dit-model")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--resolution", type=int, default=256)
-    p.add_argument("--center_crop", action="store_true", help="Else a random crop.")
-    p.add_argument("--random_flip", action="store_true")
-    p.add_argument("--train_batch_size", type=int, default=16, help="Per device.")
-    p.add_argument("--eval_batch_size", type=int, default=8, help="Samples per class.")
-    p.add_argument("--dataloader_num_workers", type=int, default=0)
-    p.add_argument("--num_epochs", type=int, default=100)
-    p.add_argument("--max_train_steps", type=int, help="Overrides --num_epochs.")
-    p.add_argument("--save_images_epochs", type=int, default=10, help="Validate every N epochs.")
-    p.add_argument("--gradient_accumulation_steps", type=int, default=1)
-    p.add_argument("--gradient_checkpointing", action="store_true")
-    p.add_argument("--learning_rate", type=float, default=1e-4)
-    p.add_argument("--lr_scheduler", default="constant")
-    p.add_argument("--lr_warmup_steps", type=int, default=0)
-    p.add_argument("--use_8bit_adam", action="store_true", help="bitsandbytes (GPU).")
-    p.add_argument("--max_grad_norm", type=float, default=1.0)
-    p.add_argument("--use_ema", action="store_true")
-    p.add_argument("--ema_max_decay", type=float, default=0.9999)
-    p.add_argument("--logger", default="tensorboard", help="tensorboard, wandb or none.")
-    p.add_argument("--mixed_precision", choices=["no", "fp16", "bf16"])
-    p.add_argument("--allow_tf32", action="store_true", help="Faster fp32 on Ampere+.")
-    p.add_argument("--prediction_type", default="epsilon", choices=["epsilon", "v_prediction"])
-    p.add_argument("--snr_gamma", type=float, help="Min-SNR-γ weighting; 5.0 is usual.")
-    p.add_argument("--ddpm_beta_schedule", default="linear")
-    p.add_argument("--num_inference_steps", type=int, default=50, help="DDIM steps to validate.")
-    p.add_argument("--guidance_scale", type=float, default=4.0, help="To validate.")
-    p.add_argument("--checkpointing_steps", type=int, default=500)
-    p.add_argument("--checkpoints_total_limit", type=int)
-    p.add_argument("--resume_from_checkpoint", help='"latest" or a checkpoint-N name.')
-    p.add_argument("--push_to_hub", action="store_true")
+    p.add_argument(
+        "--dataset_name",
+        help="A dataset on the Hugging Face Hub, or a local folder `datasets` can load.",
+    )
+    p.add_argument("--dataset_config_name", help="The dataset's configuration, if it has several.")
+    p.add_argument(
+        "--train_data_dir",
+        help="A folder of images (an imagefolder), used if no --dataset_name.",
+    )
+    p.add_argument(
+        "--image_column", default="image", help="The dataset column that holds the images."
+    )
+    p.add_argument("--label_column", default="label", help="The column of class labels, 0 to N-1.")
+    p.add_argument("--class_dropout_prob", type=float, default=0.1, help="Share of labels made ∅.")
+    p.add_argument(
+        "--cache_dir",
+        help="Where downloaded models and datasets are stored (default: the Hugging Face cache).",
+    )
+    p.add_argument(
+        "--model_config_name_or_path",
+        required=True,
+        help="A folder with a DiTTransformer2DModel config.json, e.g. configs/dit-b-2.",
+    )
+    p.add_argument(
+        "--pretrained_vae_model_name_or_path",
+        help=(
+            "A VAE (AutoencoderKL) folder: train in its latent space, as the paper. Default: "
+            "pixels."
+        ),
+    )
+    p.add_argument(
+        "--cache_latents",
+        action="store_true",
+        help="Encode each image once, before training (needs a VAE and --center_crop).",
+    )
+    p.add_argument(
+        "--output_dir",
+        default="dit-model",
+        help="Where checkpoints, samples, logs and the trained model are written.",
+    )
+    p.add_argument(
+        "--overwrite_output_dir",
+        action="store_true",
+        help="Accepted for the Diffusers example's commands, which also ignore it.",
+    )
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="Seeds the initial weights, the data order, the augmentations and the noise.",
+    )
+    p.add_argument(
+        "--resolution",
+        type=int,
+        default=64,
+        help="Images are resized and cropped to this many pixels a side.",
+    )
+    p.add_argument(
+        "--center_crop",
+        action="store_true",
+        help="Crop the centre of each image; without it the crop is random.",
+    )
+    p.add_argument(
+        "--random_flip",
+        action="store_true",
+        help="Flip half the images left-right, drawn anew each epoch.",
+    )
+    p.add_argument(
+        "--train_batch_size",
+        type=int,
+        default=16,
+        help="Images per process per forward pass.",
+    )
+    p.add_argument(
+        "--eval_batch_size",
+        type=int,
+        default=8,
+        help="Images sampled per class (the first 10) at each validation: a row each.",
+    )
+    p.add_argument(
+        "--dataloader_num_workers",
+        type=int,
+        default=0,
+        help="Processes that load and augment images; 0 loads them in the main process.",
+    )
+    p.add_argument("--num_epochs", type=int, default=100, help="Passes over the dataset to train.")
+    p.add_argument(
+        "--max_train_steps",
+        type=int,
+        help="Optimizer steps to train; overrides the epoch count if given.",
+    )
+    p.add_argument(
+        "--save_images_epochs",
+        type=int,
+        default=10,
+        help="Sample a grid of validation images every this many epochs (and after the last).",
+    )
+    p.add_argument(
+        "--save_model_epochs",
+        type=int,
+        default=10,
+        help="Save the pipeline to --output_dir every this many epochs (and after the last).",
+    )
+    p.add_argument(
+        "--gradient_accumulation_steps",
+        type=int,
+        default=1,
+        help="Forward passes whose gradients add up before each optimizer step.",
+    )
+    p.add_argument(
+        "--gradient_checkpointing",
+        action="store_true",
+        help="Recompute activations in the backward pass: less memory, about 30% slower.",
+    )
+    p.add_argument(
+        "--learning_rate",
+        type=float,
+        default=1e-4,
+        help="AdamW's learning rate (after warm-up).",
+    )
+    p.add_argument(
+        "--lr_scheduler",
+        default="constant",
+        help=(
+            "The learning-rate schedule: constant, linear, cosine, cosine_with_restarts, "
+            "polynomial, constant_with_warmup."
+        ),
+    )
+    p.add_argument(
+        "--lr_warmup_steps",
+        type=int,
+        default=0,
+        help="Optimizer steps over which the learning rate rises linearly from 0.",
+    )
+    p.add_argument("--adam_beta1", type=float, default=0.9, help="AdamW's β1 (momentum).")
+    p.add_argument("--adam_beta2", type=float, default=0.999, help="AdamW's β2 (second moment).")
+    p.add_argument(
+        "--adam_weight_decay", type=float, default=0.0, help="AdamW's decoupled weight decay."
+    )
+    p.add_argument(
+        "--adam_epsilon", type=float, default=1e-08, help="AdamW's ε, added to the denominator."
+    )
+    p.add_argument(
+        "--use_8bit_adam",
+        action="store_true",
+        help="bitsandbytes' 8-bit AdamW: optimizer states in a quarter of the memory (GPU only).",
+    )
+    p.add_argument(
+        "--max_grad_norm",
+        type=float,
+        default=1.0,
+        help="Gradients are clipped to this global norm.",
+    )
+    p.add_argument(
+        "--use_ema",
+        action="store_true",
+        help="Keep an exponential moving average of the weights, and save and sample with it.",
+    )
+    p.add_argument(
+        "--ema_max_decay",
+        type=float,
+        default=0.9999,
+        help="The EMA's decay: each step the average moves 1 - decay of the way to the weights.",
+    )
+    p.add_argument(
+        "--logger",
+        default="tensorboard",
+        help="Where metrics and samples go: tensorboard, wandb, or none.",
+    )
+    p.add_argument(
+        "--logging_dir", default="logs", help="The trackers' folder, inside --output_dir."
+    )
+    p.add_argument(
+        "--mixed_precision",
+        choices=["no", "fp16", "bf16"],
+        help="Compute in fp16 or bf16 (weights stay fp32); default: accelerate's config.",
+    )
+    p.add_argument(
+        "--allow_tf32",
+        action="store_true",
+        help=(
+            "Let fp32 matrix products use TF32 on Ampere and newer GPUs: faster, a little less "
+            "exact."
+        ),
+    )
+    p.add_argument(
+        "--enable_xformers_memory_efficient_attention",
+        action="store_true",
+        help="Ignored: PyTorch's SDPA attention is already used.",
+    )
+    p.add_argument(
+        "--prediction_type",
+        default="epsilon",
+        choices=["epsilon", "v_prediction", "flow_prediction"],
+        help="The target: the noise ε, v = √ᾱ_t·ε - √(1-ᾱ_t)·x_0, or flow matching's ε - x_0.",
+    )
+    p.add_argument("--logit_mean", type=float, default=0.0, help="Flow: mean of logit σ (SD3: 0).")
+    p.add_argument("--logit_std", type=float, default=1.0, help="Flow: std of logit σ (SD3: 1).")
+    p.add_argument(
+        "--snr_gamma",
+        type=float,
+        help=(
+            "Min-SNR-γ loss weighting (Hang et al. 2023); 5.0 is the paper's choice. Default: off."
+        ),
+    )
+    p.add_argument(
+        "--ddpm_num_steps",
+        type=int,
+        default=1000,
+        help="T, the forward process's number of timesteps.",
+    )
+    p.add_argument(
+        "--ddpm_beta_schedule",
+        default="linear",
+        help="The noise schedule β_1..β_T: linear (DDPM's), scaled_linear or squaredcos_cap_v2.",
+    )
+    # Tens of DDIM (or DPM-Solver++) steps, not DDPM's 1000: hence not --ddpm_num_inference_steps.
+    p.add_argument("--num_inference_steps", type=int, default=50, help="Validation sampling steps.")
+    p.add_argument("--guidance_scale", type=float, default=4.0, help="Validation guidance scale s.")
+    p.add_argument(
+        "--checkpointing_steps",
+        type=int,
+        default=500,
+        help="Save a resumable checkpoint every this many optimizer steps.",
+    )
+    p.add_argument(
+        "--checkpoints_total_limit",
+        type=int,
+        help="Keep at most this many checkpoints, deleting the oldest. Default: all.",
+    )
+    p.add_argument(
+        "--resume_from_checkpoint",
+        help='Resume from checkpoint-N in --output_dir, or from the newest with "latest".',
+    )
+    p.add_argument(
+        "--push_to_hub",
+        action="store_true",
+        help=(
+            "Upload the trained model to the Hugging Face Hub (log in first: `huggingface-cli "
+            "login`)."
+        ),
+    )
+    p.add_argument(
+        "--hub_model_id",
+        help="The Hub repository to upload to; default: the name of --output_dir.",
+    )
+    p.add_argument(
+        "--hub_private_repo",
+        action="store_true",
+        help="Create the Hub repository as private.",
+    )
+    p.add_argument(
+        "--hub_token", help="Left out: run `huggingface-cli login` or set HF_TOKEN instead."
+    )
+    p.add_argument(
+        "--local_rank",
+        type=int,
+        default=-1,
+        help="Accepted for legacy launchers that pass it; accelerate sets the rank itself.",
+    )
     args = p.parse_args(argv)
     if args.dataset_name is None and args.train_data_dir is None:
         p.error("give a dataset: --dataset_name or --train_data_dir")
     if args.cache_latents and not (args.pretrained_vae_model_name_or_path and args.center_crop):
         p.error("--cache_latents needs a VAE and --center_crop (a random crop differs each epoch)")
+    if args.snr_gamma is not None and args.prediction_type == "flow_prediction":
+        p.error("--snr_gamma is left out with flow: the logit-normal density weights the timesteps")
+    if args.hub_token:
+        p.error(
+            "--hub_token is left out: a token on a command line lands in shell history and logs; "
+            "run `huggingface-cli login` or set HF_TOKEN"
+        )
+    if args.enable_xformers_memory_efficient_attention:
+        print(
+            "note: --enable_xformers_memory_efficient_attention is ignored: "
+            "PyTorch's SDPA attention is already used"
+        )
     return args
 
 
@@ -103,7 +336,9 @@ def main(args):
         gradient_accumulation_steps=args.gradient_accumulation_steps,
         mixed_precision=args.mixed_precision,
         log_with=None if args.logger == "none" else args.logger,
-        project_config=ProjectConfiguration(args.output_dir, logging_dir=f"{args.output_dir}/logs"),
+        project_config=ProjectConfiguration(
+            args.output_dir, logging_dir=os.path.join(args.output_dir, args.logging_dir)
+        ),
         # every process draws the same permutation each epoch and takes its own share of it
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=args.seed),
         step_scheduler_with_optimizer=False,  # the loop steps the LR once per optimizer step
@@ -125,7 +360,11 @@ def main(args):
         torch.backends.cuda.matmul.allow_tf32 = True
     if args.push_to_hub and accelerator.is_main_process:
         with clear_error("--push_to_hub"):  # now, not after hours of training
-            repo = create_repo(os.path.basename(os.path.abspath(args.output_dir)), exist_ok=True)
+            repo = create_repo(
+                args.hub_model_id or os.path.basename(os.path.abspath(args.output_dir)),
+                private=args.hub_private_repo,
+                exist_ok=True,
+            )
 
     # 3. Models: the frozen VAE if any, the transformer ε_θ, the noise schedule β_t
     train_dataset = load_train_dataset(args, args.image_column, args.label_column)
@@ -135,19 +374,27 @@ def main(args):
     weight_dtype = dtypes.get(accelerator.mixed_precision, torch.float32)
     vae = None
     if args.pretrained_vae_model_name_or_path:
-        path = args.pretrained_vae_model_name_or_path
-        with clear_error(f"--pretrained_vae_model_name_or_path {path}"):
-            vae = AutoencoderKL.from_pretrained(path)
+        vae_path = args.pretrained_vae_model_name_or_path
+        with clear_error(f"--pretrained_vae_model_name_or_path {vae_path}"):
+            vae = AutoencoderKL.from_pretrained(vae_path)
         vae.requires_grad_(False).to(accelerator.device, dtype=weight_dtype)  # it only encodes
     model = build_transformer(args, len(names), vae)
     null_class = model.config.num_embeds_ada_norm  # ∅: the row after the classes
     if args.gradient_checkpointing:
         model.enable_gradient_checkpointing()
     noise_scheduler = DDPMScheduler(
+        num_train_timesteps=args.ddpm_num_steps,
         beta_schedule=args.ddpm_beta_schedule,
         prediction_type=args.prediction_type,
         clip_sample=False,  # guidance overshoots x_0 on purpose: clipped, s = 4 drew no digits
     )
+    # The sampler of validation and of the saved pipeline: DDIM on the βs for ε and v; for flow,
+    # DPM-Solver++ on σ, which DiTPipeline can call (FlowMatchEulerDiscreteScheduler it cannot).
+    sampler = DDIMScheduler.from_config(noise_scheduler.config)
+    if args.prediction_type == "flow_prediction":
+        sampler = DPMSolverMultistepScheduler(
+            use_flow_sigmas=True, prediction_type="flow_prediction", flow_shift=1.0
+        )
     ema_model = None
     if args.use_ema:  # the paper's EMA: a constant decay
         decay = dict(decay=args.ema_max_decay, min_decay=args.ema_max_decay)
@@ -166,7 +413,7 @@ def main(args):
         ]
     )
     if args.cache_latents:  # the frozen VAE encodes each image once, here, not in every epoch
-        key = [train_dataset._fingerprint, path, args.resolution, args.random_flip, vae.dtype]
+        key = [train_dataset._fingerprint, vae_path, args.resolution, args.random_flip, vae.dtype]
         with accelerator.main_process_first():  # the others read its files
             train_dataset = train_dataset.map(
                 partial(encode_latents, args=args, augment=augment, vae=vae),
@@ -175,7 +422,8 @@ def main(args):
                 remove_columns=args.image_column,
                 new_fingerprint=Hasher.hash(key),
             )
-    shape = (2 * model.config.in_channels, *[model.config.sample_size] * 2)  # latent μ, log σ²
+    size = model.config.sample_size
+    shape = (2 * model.config.in_channels, size, size)  # the latent's μ and log σ²
     transform = partial(preprocess, args=args, augment=augment, shape=shape)
     train_dataloader = torch.utils.data.DataLoader(
         train_dataset,
@@ -191,8 +439,14 @@ def main(args):
         import bitsandbytes
 
         optimizer_class = bitsandbytes.optim.AdamW8bit
-    # the paper's optimizer: AdamW, no weight decay
-    optimizer = optimizer_class(model.parameters(), lr=args.learning_rate, weight_decay=0)
+    # The paper's AdamW by default: β = (0.9, 0.999), no weight decay.
+    optimizer = optimizer_class(
+        model.parameters(),
+        lr=args.learning_rate,
+        betas=(args.adam_beta1, args.adam_beta2),
+        weight_decay=args.adam_weight_decay,
+        eps=args.adam_epsilon,
+    )
     accumulation = args.gradient_accumulation_steps
     steps_per_epoch = math.ceil(len(train_dataloader) / accelerator.num_processes / accumulation)
     max_train_steps = args.max_train_steps or args.num_epochs * steps_per_epoch
@@ -245,9 +499,11 @@ def main(args):
     progress_bar = tqdm(
         range(max_train_steps), initial=global_step, disable=not accelerator.is_local_main_process
     )
-    train_loss, start = 0.0, time.perf_counter()
+    # The loss is summed on the device and read every 10 steps: reading it makes the CPU wait.
+    train_loss, logged_step, start = 0.0, global_step, time.perf_counter()
     for epoch in range(first_epoch, num_epochs):
         model.train()
+        # This epoch's crops and flips: preprocess seeds them with (seed, epoch, row).
         train_dataset.set_transform(partial(transform, epoch=epoch))
         train_dataloader.set_epoch(epoch)  # this epoch's permutation, also when resuming
         batches = train_dataloader
@@ -255,40 +511,54 @@ def main(args):
             batches = accelerator.skip_first_batches(train_dataloader, skip_batches)
         for batch in batches:
             with accelerator.accumulate(model):
-                if vae is None:
-                    clean_images = batch["pixel_values"]  # x_0 ~ q(x_0)
-                else:  # x_0 is a latent: a sample of the VAE's posterior, scaled to unit variance
-                    with torch.no_grad():  # N(μ, σ²): its moments cached, or encoded now
-                        if args.cache_latents:
-                            posterior = DiagonalGaussianDistribution(batch["latent_moments"])
-                        else:
-                            posterior = vae.encode(batch["pixel_values"].to(vae.dtype)).latent_dist
-                    clean_images = posterior.sample().float() * vae.config.scaling_factor
-                noise = torch.randn_like(clean_images)  # ε ~ N(0, I)
+                # x_0 ~ q(x_0): a batch of training images, or of their latents.
+                clean_images = sample_latents(vae, batch, args) if vae else batch["pixel_values"]
+                # ε ~ N(0, I): the noise to mix in.
+                noise = torch.randn_like(clean_images)
                 bsz, device = len(clean_images), clean_images.device
-                T = noise_scheduler.config.num_train_timesteps  # t ~ U{0, ..., T-1}:
-                timesteps = torch.randint(0, T, (bsz,), device=device)
-                # the paper's label dropout, for guidance: y = ∅ with p = --class_dropout_prob
-                dropped = torch.rand(bsz, device=device) < args.class_dropout_prob
-                class_labels = batch["class_labels"].masked_fill(dropped, null_class)
-                # the forward process in closed form: x_t = √ᾱ_t·x_0 + √(1-ᾱ_t)·ε
-                noisy_images = noise_scheduler.add_noise(clean_images, noise, timesteps)
+                if args.prediction_type == "flow_prediction":
+                    # σ ~ logit-normal: sigmoid of N(m, s²), most σ mid-way (SD3, Esser et al.).
+                    sigmas = compute_density_for_timestep_sampling(
+                        "logit_normal", bsz, args.logit_mean, args.logit_std, device=device
+                    )
+                    # x_σ = (1-σ)·x_0 + σ·ε: a straight line from data to noise (Liu et al. 2022).
+                    sigma = sigmas.view(-1, 1, 1, 1)
+                    noisy_images = (1 - sigma) * clean_images + sigma * noise
+                    # t = 1000·σ, diffusers' scale: on 0..1 the sinusoidal embedding barely varies.
+                    timesteps = 1000 * sigmas
+                else:
+                    # t ~ U{0, ..., T-1}: a timestep per image.
+                    T = noise_scheduler.config.num_train_timesteps
+                    timesteps = torch.randint(0, T, (bsz,), device=device)
+                    # x_t = √ᾱ_t·x_0 + √(1-ᾱ_t)·ε: the forward process in closed form (DDPM, eq. 4).
+                    noisy_images = noise_scheduler.add_noise(clean_images, noise, timesteps)
+                # The target: ε itself, or v = √ᾱ_t·ε - √(1-ᾱ_t)·x_0 (Salimans & Ho 2022), or for
+                # flow v = dx_σ/dσ = ε - x_0, the velocity along the line (Lipman et al. 2023).
                 if args.prediction_type == "epsilon":
                     target = noise
-                else:  # v = √ᾱ_t·ε - √(1-ᾱ_t)·x_0 (Salimans & Ho 2022)
+                elif args.prediction_type == "v_prediction":
                     target = noise_scheduler.get_velocity(clean_images, noise, timesteps)
-                # ε_θ(x_t, t, y), in the mixed-precision dtype (DeepSpeed's model holds it)
+                else:
+                    target = noise - clean_images
+                # The paper's label dropout, for guidance: y = ∅ with p = --class_dropout_prob.
+                dropped = torch.rand(bsz, device=device) < args.class_dropout_prob
+                class_labels = batch["class_labels"].masked_fill(dropped, null_class)
+                # ε_θ(x_t, t, y): the prediction. Its input is cast to the mixed-precision dtype, as
+                # DeepSpeed keeps the model's own weights in that dtype (autocast takes either).
                 model_output = model(noisy_images.to(weight_dtype), timesteps, class_labels).sample
-                # ‖ε - ε_θ(x_t, t, y)‖², a value per image so that Min-SNR-γ can weight it
+                # ‖ε - ε_θ(x_t, t, y)‖²: the simplified loss (DDPM, eq. 14), a value per image so
+                # that Min-SNR-γ can weight it.
                 loss = F.mse_loss(model_output.float(), target.float(), reduction="none")
                 loss = loss.mean(dim=[1, 2, 3])
                 if args.snr_gamma is not None:
                     loss = loss * min_snr_weights(noise_scheduler, timesteps, args.snr_gamma)
                 loss = loss.mean()
-                accelerator.backward(loss)  # gradients, averaged over processes
+                # ∇_θ of the loss, averaged over processes; clipped once every micro-batch is in.
+                accelerator.backward(loss)
                 if accelerator.sync_gradients:
                     accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-                optimizer.step()  # a gradient step, once every micro-batch is in
+                # A gradient step (accelerate skips it until the last micro-batch).
+                optimizer.step()
                 optimizer.zero_grad()
                 train_loss += loss.detach() / accumulation
 
@@ -297,15 +567,17 @@ def main(args):
                 if ema_model is not None:
                     ema_model.step(model.parameters())
                 global_step += 1
-                logs = {
-                    "loss": accelerator.reduce(train_loss, "mean").item(),  # over processes
-                    "lr": lr_scheduler.get_last_lr()[0],
-                    "img/s": total_batch_size / (time.perf_counter() - start),
-                }
                 progress_bar.update(1)
-                progress_bar.set_postfix(**logs)
-                accelerator.log(logs, step=global_step)
-                train_loss, start = 0.0, time.perf_counter()
+                if global_step % 10 == 0 or global_step >= max_train_steps:
+                    steps, logged_step = global_step - logged_step, global_step
+                    logs = {
+                        "loss": accelerator.reduce(train_loss, "mean").item() / steps,  # per step
+                        "lr": lr_scheduler.get_last_lr()[0],
+                        "img/s": steps * total_batch_size / (time.perf_counter() - start),
+                    }
+                    progress_bar.set_postfix(**logs)
+                    accelerator.log(logs, step=global_step)
+                    train_loss, start = 0.0, time.perf_counter()
                 if global_step % args.checkpointing_steps == 0:
                     save_checkpoint(accelerator, args, global_step)
             if global_step >= max_train_steps:
@@ -314,23 +586,15 @@ def main(args):
         # 8. Validation: guided samples from fixed noise, a row per class, EMA weights if any
         last_epoch = epoch == num_epochs - 1 or global_step >= max_train_steps
         if accelerator.is_main_process and (epoch % args.save_images_epochs == 0 or last_epoch):
-            log_validation(
-                accelerator, args, unwrap(model), ema_model, noise_scheduler, vae, global_step
-            )
+            log_validation(accelerator, args, unwrap(model), ema_model, sampler, vae, global_step)
         if last_epoch:
             break
+        if accelerator.is_main_process and epoch % args.save_model_epochs == 0:
+            save_pipeline(args, unwrap(model), ema_model, sampler, names)
 
     # 9. Final save: a DiTPipeline folder (transformer/, scheduler/, vae/), EMA weights if any
     if accelerator.is_main_process:
-        transformer = unwrap(model)
-        if ema_model is not None:
-            ema_model.copy_to(transformer.parameters())
-        if vae is not None:  # as on disk, not in the mixed-precision dtype
-            vae = AutoencoderKL.from_pretrained(path)
-        scheduler = DDIMScheduler.from_config(noise_scheduler.config)
-        pipeline = DiTPipeline(transformer=transformer, vae=vae, scheduler=scheduler)
-        pipeline.register_to_config(id2label={i: str(name) for i, name in enumerate(names)})
-        pipeline.save_pretrained(args.output_dir)
+        save_pipeline(args, unwrap(model), ema_model, sampler, names)
         if args.push_to_hub:
             upload_folder(
                 repo_id=repo.repo_id, folder_path=args.output_dir, ignore_patterns="*checkpoint*"
@@ -351,15 +615,19 @@ def load_train_dataset(args, *columns):
     """A hub dataset or an imagefolder, and a "row" column that seeds each image's crop and flip."""
     if args.dataset_name:
         with clear_error(f"--dataset_name {args.dataset_name}"):
-            dataset = datasets.load_dataset(args.dataset_name)["train"]
+            name, config = args.dataset_name, args.dataset_config_name
+            dataset = datasets.load_dataset(name, config, cache_dir=args.cache_dir)["train"]
     else:
         with clear_error(f"--train_data_dir {args.train_data_dir}"):
             files = {"train": os.path.join(args.train_data_dir, "**")}
-            dataset = datasets.load_dataset("imagefolder", data_files=files)["train"]
+            dataset = datasets.load_dataset(
+                "imagefolder", data_files=files, cache_dir=args.cache_dir
+            )
+            dataset = dataset["train"]
     for column in columns:
         if column not in dataset.column_names:
             raise SystemExit(f"error: no column {column!r}; the dataset has {dataset.column_names}")
-    # decoded by open_image, so that a file that cannot be read is named
+    # Decoded by open_image, so that a file that cannot be read is named.
     dataset = dataset.cast_column(args.image_column, datasets.Image(decode=False))
     return dataset.add_column("row", range(len(dataset)))
 
@@ -380,6 +648,7 @@ def preprocess(examples, args, augment, shape, epoch):
         with torch.random.fork_rng(devices=[]):
             seed = (args.seed * 1_000_003 + epoch) * 1_000_003 + row  # one per image and epoch
             torch.default_generator.manual_seed(seed % 2**32)  # torch keeps 32 bits of a seed
+            # Drawn here, not in augment as in train_unconditional: it picks a cached latent's side.
             flip = torch.rand(()) < (0.5 if args.random_flip else 0.0)
             if args.cache_latents:  # the moments of both sides are cached: pick one
                 data = bytearray(examples["latent_moments"][i])
@@ -400,6 +669,17 @@ def encode_latents(examples, args, augment, vae):
     with torch.no_grad():
         moments = torch.stack([vae.encode(side).latent_dist.parameters for side in sides], dim=1)
     return {"latent_moments": [m.float().cpu().numpy().tobytes() for m in moments]}
+
+
+@torch.no_grad()
+def sample_latents(vae, batch, args):
+    """x_0 in latent space: a sample of the VAE's posterior N(μ, σ²), its moments cached or encoded
+    now, scaled to unit variance as in latent diffusion."""
+    if args.cache_latents:
+        posterior = DiagonalGaussianDistribution(batch["latent_moments"])
+    else:
+        posterior = vae.encode(batch["pixel_values"].to(vae.dtype)).latent_dist
+    return posterior.sample().float() * vae.config.scaling_factor
 
 
 def build_transformer(args, num_classes, vae):
@@ -471,27 +751,27 @@ def resume_from_checkpoint(accelerator, args):
         return int(path.rsplit("-", 1)[1])
 
 
-def log_validation(accelerator, args, transformer, ema_model, noise_scheduler, vae, global_step):
-    transformer.eval()  # no dropout while sampling
+def log_validation(accelerator, args, model, ema_model, sampler, vae, global_step):
+    model.eval()  # no dropout while sampling
     if ema_model is not None:  # sample with the EMA weights, then put the trained ones back
-        ema_model.store(transformer.parameters())
-        ema_model.copy_to(transformer.parameters())
-    classes = torch.arange(min(10, transformer.config.num_embeds_ada_norm))  # the first 10
+        ema_model.store(model.parameters())
+        ema_model.copy_to(model.parameters())
+    classes = torch.arange(min(10, model.config.num_embeds_ada_norm))  # the first 10
     labels = classes.repeat_interleave(args.eval_batch_size).to(accelerator.device)
-    scheduler = DDIMScheduler.from_config(noise_scheduler.config)
     generator = torch.Generator().manual_seed(0)  # the same noise each time: progress shows
     steps, scale = args.num_inference_steps, args.guidance_scale
-    images = sample_images(transformer, scheduler, labels, scale, steps, vae, generator)
+    images = sample_images(model, sampler, labels, scale, steps, vae, generator)
     if ema_model is not None:
-        ema_model.restore(transformer.parameters())
-    transformer.train()
+        ema_model.restore(model.parameters())
+    model.train()
     save_grid(accelerator, args, images, global_step, nrow=args.eval_batch_size)
 
 
 @torch.no_grad()
 def sample_images(model, scheduler, class_labels, guidance_scale, steps, vae=None, generator=None):
-    """Images in [0, 1], one per label: DDIM from noise, guided at every step."""
-    shape = (len(class_labels), model.config.in_channels, *[model.config.sample_size] * 2)
+    """Images in [0, 1], one per label: the scheduler's steps from noise, guided at every step."""
+    size = model.config.sample_size
+    shape = (len(class_labels), model.config.in_channels, size, size)
     x = torch.randn(shape, generator=generator).to(class_labels.device)
     null = torch.full_like(class_labels, model.config.num_embeds_ada_norm)
     scheduler.set_timesteps(steps)
@@ -499,12 +779,34 @@ def sample_images(model, scheduler, class_labels, guidance_scale, steps, vae=Non
         inputs, labels = torch.cat([x, x]).to(model.dtype), torch.cat([class_labels, null])
         output = model(inputs, t.expand(len(inputs)).to(x.device), labels).sample.float()
         conditional, unconditional = output.chunk(2)
-        # ε(x, ∅) + s·(ε(x, y) - ε(x, ∅)): s = 1 is the conditional model; s > 1 goes beyond
+        # ε(x, ∅) + s·(ε(x, y) - ε(x, ∅)): s = 1 is the conditional model; s > 1 goes beyond.
+        # The same mix serves v and flow's velocity: each is linear in ε and x.
         guided = unconditional + guidance_scale * (conditional - unconditional)
         x = scheduler.step(guided, t, x).prev_sample
     if vae is not None:  # back from the latent space
         x = vae.decode((x / vae.config.scaling_factor).to(vae.dtype)).sample.float()
     return (x / 2 + 0.5).clamp(0, 1)
+
+
+def save_pipeline(args, model, ema_model, sampler, names):
+    """The DiTPipeline folder in --output_dir, with id2label, EMA weights if any (then restored)."""
+    if ema_model is not None:
+        ema_model.store(model.parameters())
+        ema_model.copy_to(model.parameters())
+    vae = None
+    if args.pretrained_vae_model_name_or_path:  # as on disk, not in the mixed-precision dtype
+        vae = AutoencoderKL.from_pretrained(args.pretrained_vae_model_name_or_path)
+    pipeline = DiTPipeline(transformer=model, vae=vae, scheduler=sampler)
+    pipeline.register_to_config(id2label={i: str(name) for i, name in enumerate(names)})
+    # In pixel space there is no vae/ to save: the line below says so, not diffusers' warning.
+    verbosity = diffusers_logging.get_verbosity()
+    diffusers_logging.set_verbosity_error()
+    pipeline.save_pretrained(args.output_dir)
+    diffusers_logging.set_verbosity(verbosity)
+    if ema_model is not None:
+        ema_model.restore(model.parameters())
+    what = "the pipeline" if vae else "transformer/ and scheduler/ (pixel space: no vae/)"
+    logger.info(f"Saved {what} to {args.output_dir}")
 
 
 def save_grid(accelerator, args, images, global_step, nrow):

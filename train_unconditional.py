@@ -43,45 +43,278 @@ logger = get_logger(__name__)
 # 1. Arguments: the Diffusers example's flags and defaults, so its commands run unchanged
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description="Train a DDPM (UNet2DModel) from scratch.")
-    p.add_argument("--dataset_name", help="A hub dataset, or a local dataset folder.")
-    p.add_argument("--train_data_dir", help="An imagefolder (if no --dataset_name).")
-    p.add_argument("--image_column", default="image")
-    p.add_argument("--model_config_name_or_path", help="A UNet2DModel config.json's folder.")
-    p.add_argument("--output_dir", default="ddpm-model-64")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--resolution", type=int, default=64)
-    p.add_argument("--center_crop", action="store_true", help="Else a random crop.")
-    p.add_argument("--random_flip", action="store_true")
-    p.add_argument("--train_batch_size", type=int, default=16, help="Per device.")
-    p.add_argument("--eval_batch_size", type=int, default=16, help="Validation images.")
-    p.add_argument("--dataloader_num_workers", type=int, default=0)
-    p.add_argument("--num_epochs", type=int, default=100)
-    p.add_argument("--max_train_steps", type=int, help="Overrides --num_epochs.")
-    p.add_argument("--save_images_epochs", type=int, default=10, help="Validate every N epochs.")
-    p.add_argument("--gradient_accumulation_steps", type=int, default=1)
-    p.add_argument("--gradient_checkpointing", action="store_true")
-    p.add_argument("--learning_rate", type=float, default=1e-4)
-    p.add_argument("--lr_scheduler", default="cosine")
-    p.add_argument("--lr_warmup_steps", type=int, default=500)
-    p.add_argument("--use_8bit_adam", action="store_true", help="bitsandbytes (GPU).")
-    p.add_argument("--max_grad_norm", type=float, default=1.0)
-    p.add_argument("--use_ema", action="store_true")
-    p.add_argument("--ema_max_decay", type=float, default=0.9999)
-    p.add_argument("--logger", default="tensorboard", help="tensorboard, wandb or none.")
-    p.add_argument("--mixed_precision", choices=["no", "fp16", "bf16"])
-    p.add_argument("--allow_tf32", action="store_true", help="Faster fp32 on Ampere+.")
-    p.add_argument("--prediction_type", default="epsilon", choices=["epsilon", "v_prediction"])
-    p.add_argument("--snr_gamma", type=float, help="Min-SNR-γ weighting; 5.0 is usual.")
-    p.add_argument("--ddpm_num_steps", type=int, default=1000)
-    p.add_argument("--ddpm_num_inference_steps", type=int, default=1000)
-    p.add_argument("--ddpm_beta_schedule", default="linear")
-    p.add_argument("--checkpointing_steps", type=int, default=500)
-    p.add_argument("--checkpoints_total_limit", type=int)
-    p.add_argument("--resume_from_checkpoint", help='"latest" or a checkpoint-N name.')
-    p.add_argument("--push_to_hub", action="store_true")
+    p.add_argument(
+        "--dataset_name",
+        help="A dataset on the Hugging Face Hub, or a local folder `datasets` can load.",
+    )
+    p.add_argument("--dataset_config_name", help="The dataset's configuration, if it has several.")
+    p.add_argument(
+        "--train_data_dir",
+        help="A folder of images (an imagefolder), used if no --dataset_name.",
+    )
+    p.add_argument(
+        "--image_column", default="image", help="The dataset column that holds the images."
+    )
+    p.add_argument(
+        "--cache_dir",
+        help="Where downloaded models and datasets are stored (default: the Hugging Face cache).",
+    )
+    p.add_argument(
+        "--preserve_input_precision",
+        action="store_true",
+        help="Left out: images load as 8-bit RGB.",
+    )
+    p.add_argument(
+        "--model_config_name_or_path",
+        help="A folder with a UNet2DModel config.json; default: the Diffusers example's UNet.",
+    )
+    p.add_argument(
+        "--output_dir",
+        default="ddpm-model-64",
+        help="Where checkpoints, samples, logs and the trained model are written.",
+    )
+    p.add_argument(
+        "--overwrite_output_dir",
+        action="store_true",
+        help="Accepted for the Diffusers example's commands, which also ignore it.",
+    )
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="Seeds the initial weights, the data order, the augmentations and the noise.",
+    )
+    p.add_argument(
+        "--resolution",
+        type=int,
+        default=64,
+        help="Images are resized and cropped to this many pixels a side.",
+    )
+    p.add_argument(
+        "--center_crop",
+        action="store_true",
+        help="Crop the centre of each image; without it the crop is random.",
+    )
+    p.add_argument(
+        "--random_flip",
+        action="store_true",
+        help="Flip half the images left-right, drawn anew each epoch.",
+    )
+    p.add_argument(
+        "--train_batch_size",
+        type=int,
+        default=16,
+        help="Images per process per forward pass.",
+    )
+    p.add_argument(
+        "--eval_batch_size",
+        type=int,
+        default=16,
+        help="Images sampled at each validation, shown as one grid.",
+    )
+    p.add_argument(
+        "--dataloader_num_workers",
+        type=int,
+        default=0,
+        help="Processes that load and augment images; 0 loads them in the main process.",
+    )
+    p.add_argument("--num_epochs", type=int, default=100, help="Passes over the dataset to train.")
+    p.add_argument(
+        "--max_train_steps",
+        type=int,
+        help="Optimizer steps to train; overrides the epoch count if given.",
+    )
+    p.add_argument(
+        "--save_images_epochs",
+        type=int,
+        default=10,
+        help="Sample a grid of validation images every this many epochs (and after the last).",
+    )
+    p.add_argument(
+        "--save_model_epochs",
+        type=int,
+        default=10,
+        help="Save the pipeline to --output_dir every this many epochs (and after the last).",
+    )
+    p.add_argument(
+        "--gradient_accumulation_steps",
+        type=int,
+        default=1,
+        help="Forward passes whose gradients add up before each optimizer step.",
+    )
+    p.add_argument(
+        "--gradient_checkpointing",
+        action="store_true",
+        help="Recompute activations in the backward pass: less memory, about 30% slower.",
+    )
+    p.add_argument(
+        "--learning_rate",
+        type=float,
+        default=1e-4,
+        help="AdamW's learning rate (after warm-up).",
+    )
+    p.add_argument(
+        "--lr_scheduler",
+        default="cosine",
+        help=(
+            "The learning-rate schedule: constant, linear, cosine, cosine_with_restarts, "
+            "polynomial, constant_with_warmup."
+        ),
+    )
+    p.add_argument(
+        "--lr_warmup_steps",
+        type=int,
+        default=500,
+        help="Optimizer steps over which the learning rate rises linearly from 0.",
+    )
+    p.add_argument("--adam_beta1", type=float, default=0.95, help="AdamW's β1 (momentum).")
+    p.add_argument("--adam_beta2", type=float, default=0.999, help="AdamW's β2 (second moment).")
+    p.add_argument(
+        "--adam_weight_decay", type=float, default=1e-6, help="AdamW's decoupled weight decay."
+    )
+    p.add_argument(
+        "--adam_epsilon", type=float, default=1e-08, help="AdamW's ε, added to the denominator."
+    )
+    p.add_argument(
+        "--use_8bit_adam",
+        action="store_true",
+        help="bitsandbytes' 8-bit AdamW: optimizer states in a quarter of the memory (GPU only).",
+    )
+    p.add_argument(
+        "--max_grad_norm",
+        type=float,
+        default=1.0,
+        help="Gradients are clipped to this global norm.",
+    )
+    p.add_argument(
+        "--use_ema",
+        action="store_true",
+        help="Keep an exponential moving average of the weights, and save and sample with it.",
+    )
+    p.add_argument(
+        "--ema_inv_gamma", type=float, default=1.0, help="EMA warm-up: decay 1 - (1 + n/γ)^-power."
+    )
+    p.add_argument(
+        "--ema_power", type=float, default=3 / 4, help="That power; 3/4 reaches 0.999 at 10k steps."
+    )
+    p.add_argument(
+        "--ema_max_decay",
+        type=float,
+        default=0.9999,
+        help="The EMA's decay: each step the average moves 1 - decay of the way to the weights.",
+    )
+    p.add_argument(
+        "--logger",
+        default="tensorboard",
+        help="Where metrics and samples go: tensorboard, wandb, or none.",
+    )
+    p.add_argument(
+        "--logging_dir", default="logs", help="The trackers' folder, inside --output_dir."
+    )
+    p.add_argument(
+        "--mixed_precision",
+        choices=["no", "fp16", "bf16"],
+        help="Compute in fp16 or bf16 (weights stay fp32); default: accelerate's config.",
+    )
+    p.add_argument(
+        "--allow_tf32",
+        action="store_true",
+        help=(
+            "Let fp32 matrix products use TF32 on Ampere and newer GPUs: faster, a little less "
+            "exact."
+        ),
+    )
+    p.add_argument(
+        "--enable_xformers_memory_efficient_attention",
+        action="store_true",
+        help="Ignored: PyTorch's SDPA attention is already used.",
+    )
+    p.add_argument(
+        "--prediction_type",
+        default="epsilon",
+        choices=["epsilon", "v_prediction"],
+        help="The UNet's target: the noise ε, or v = √ᾱ_t·ε - √(1-ᾱ_t)·x_0.",
+    )
+    p.add_argument(
+        "--snr_gamma",
+        type=float,
+        help=(
+            "Min-SNR-γ loss weighting (Hang et al. 2023); 5.0 is the paper's choice. Default: off."
+        ),
+    )
+    p.add_argument(
+        "--ddpm_num_steps",
+        type=int,
+        default=1000,
+        help="T, the forward process's number of timesteps.",
+    )
+    p.add_argument(
+        "--ddpm_num_inference_steps", type=int, default=1000, help="DDPM steps to validate with."
+    )
+    p.add_argument(
+        "--ddpm_beta_schedule",
+        default="linear",
+        help="The noise schedule β_1..β_T: linear (DDPM's), scaled_linear or squaredcos_cap_v2.",
+    )
+    p.add_argument(
+        "--checkpointing_steps",
+        type=int,
+        default=500,
+        help="Save a resumable checkpoint every this many optimizer steps.",
+    )
+    p.add_argument(
+        "--checkpoints_total_limit",
+        type=int,
+        help="Keep at most this many checkpoints, deleting the oldest. Default: all.",
+    )
+    p.add_argument(
+        "--resume_from_checkpoint",
+        help='Resume from checkpoint-N in --output_dir, or from the newest with "latest".',
+    )
+    p.add_argument(
+        "--push_to_hub",
+        action="store_true",
+        help=(
+            "Upload the trained model to the Hugging Face Hub (log in first: `huggingface-cli "
+            "login`)."
+        ),
+    )
+    p.add_argument(
+        "--hub_model_id",
+        help="The Hub repository to upload to; default: the name of --output_dir.",
+    )
+    p.add_argument(
+        "--hub_private_repo",
+        action="store_true",
+        help="Create the Hub repository as private.",
+    )
+    p.add_argument(
+        "--hub_token", help="Left out: run `huggingface-cli login` or set HF_TOKEN instead."
+    )
+    p.add_argument(
+        "--local_rank",
+        type=int,
+        default=-1,
+        help="Accepted for legacy launchers that pass it; accelerate sets the rank itself.",
+    )
     args = p.parse_args(argv)
     if args.dataset_name is None and args.train_data_dir is None:
         p.error("give a dataset: --dataset_name or --train_data_dir")
+    if args.hub_token:
+        p.error(
+            "--hub_token is left out: a token on a command line lands in shell history and logs; "
+            "run `huggingface-cli login` or set HF_TOKEN"
+        )
+    if args.preserve_input_precision:
+        p.error(
+            "--preserve_input_precision is left out: images are read as 8-bit RGB, as the "
+            "Diffusers example reads them without it; convert 16-bit images to 8 bits"
+        )
+    if args.enable_xformers_memory_efficient_attention:
+        print(
+            "note: --enable_xformers_memory_efficient_attention is ignored: "
+            "PyTorch's SDPA attention is already used"
+        )
     return args
 
 
@@ -94,7 +327,9 @@ def main(args):
         gradient_accumulation_steps=args.gradient_accumulation_steps,
         mixed_precision=args.mixed_precision,
         log_with=None if args.logger == "none" else args.logger,
-        project_config=ProjectConfiguration(args.output_dir, logging_dir=f"{args.output_dir}/logs"),
+        project_config=ProjectConfiguration(
+            args.output_dir, logging_dir=os.path.join(args.output_dir, args.logging_dir)
+        ),
         # every process draws the same permutation each epoch and takes its own share of it
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=args.seed),
         step_scheduler_with_optimizer=False,  # the loop steps the LR once per optimizer step
@@ -116,7 +351,11 @@ def main(args):
         torch.backends.cuda.matmul.allow_tf32 = True
     if args.push_to_hub and accelerator.is_main_process:
         with clear_error("--push_to_hub"):  # now, not after hours of training
-            repo = create_repo(os.path.basename(os.path.abspath(args.output_dir)), exist_ok=True)
+            repo = create_repo(
+                args.hub_model_id or os.path.basename(os.path.abspath(args.output_dir)),
+                private=args.hub_private_repo,
+                exist_ok=True,
+            )
 
     # 3. Models: the UNet ε_θ, and the noise schedule β_1..β_T of the forward process
     dtypes = {"fp16": torch.float16, "bf16": torch.bfloat16}
@@ -140,8 +379,9 @@ def main(args):
         prediction_type=args.prediction_type,
     )
     ema_model = None
-    if args.use_ema:  # the decay warms up as 1 - (1 + step)^-3/4, to --ema_max_decay
-        decay = dict(decay=args.ema_max_decay, use_ema_warmup=True, power=3 / 4)
+    if args.use_ema:  # the decay warms up as 1 - (1 + n / inv_gamma)^-power, to --ema_max_decay
+        decay = dict(decay=args.ema_max_decay, use_ema_warmup=True, power=args.ema_power)
+        decay |= dict(inv_gamma=args.ema_inv_gamma)
         ema_model = EMAModel(
             model.parameters(), **decay, model_cls=type(model), model_config=model.config
         )
@@ -173,9 +413,13 @@ def main(args):
         import bitsandbytes
 
         optimizer_class = bitsandbytes.optim.AdamW8bit
-    # the Diffusers example's AdamW: β = (0.95, 0.999), a little weight decay
+    # The Diffusers example's AdamW by default: β = (0.95, 0.999), a little weight decay.
     optimizer = optimizer_class(
-        model.parameters(), lr=args.learning_rate, betas=(0.95, 0.999), weight_decay=1e-6
+        model.parameters(),
+        lr=args.learning_rate,
+        betas=(args.adam_beta1, args.adam_beta2),
+        weight_decay=args.adam_weight_decay,
+        eps=args.adam_epsilon,
     )
     accumulation = args.gradient_accumulation_steps
     steps_per_epoch = math.ceil(len(train_dataloader) / accelerator.num_processes / accumulation)
@@ -229,9 +473,11 @@ def main(args):
     progress_bar = tqdm(
         range(max_train_steps), initial=global_step, disable=not accelerator.is_local_main_process
     )
-    train_loss, start = 0.0, time.perf_counter()
+    # The loss is summed on the device and read every 10 steps: reading it makes the CPU wait.
+    train_loss, logged_step, start = 0.0, global_step, time.perf_counter()
     for epoch in range(first_epoch, num_epochs):
         model.train()
+        # This epoch's crops and flips: preprocess seeds them with (seed, epoch, row).
         train_dataset.set_transform(partial(transform, epoch=epoch))
         train_dataloader.set_epoch(epoch)  # this epoch's permutation, also when resuming
         batches = train_dataloader
@@ -239,29 +485,37 @@ def main(args):
             batches = accelerator.skip_first_batches(train_dataloader, skip_batches)
         for batch in batches:
             with accelerator.accumulate(model):
-                clean_images = batch["pixel_values"]  # x_0 ~ q(x_0)
-                noise = torch.randn_like(clean_images)  # ε ~ N(0, I)
+                # x_0 ~ q(x_0): a batch of training images.
+                clean_images = batch["pixel_values"]
+                # ε ~ N(0, I): the noise to mix in.
+                noise = torch.randn_like(clean_images)
                 bsz, device = len(clean_images), clean_images.device
-                T = noise_scheduler.config.num_train_timesteps  # t ~ U{0, ..., T-1}:
+                # t ~ U{0, ..., T-1}: a timestep per image.
+                T = noise_scheduler.config.num_train_timesteps
                 timesteps = torch.randint(0, T, (bsz,), device=device)
-                # the forward process in closed form: x_t = √ᾱ_t·x_0 + √(1-ᾱ_t)·ε
+                # x_t = √ᾱ_t·x_0 + √(1-ᾱ_t)·ε: the forward process in closed form (DDPM, eq. 4).
                 noisy_images = noise_scheduler.add_noise(clean_images, noise, timesteps)
+                # The target: ε itself, or v = √ᾱ_t·ε - √(1-ᾱ_t)·x_0 (Salimans & Ho 2022).
                 if args.prediction_type == "epsilon":
                     target = noise
-                else:  # v = √ᾱ_t·ε - √(1-ᾱ_t)·x_0 (Salimans & Ho 2022)
+                else:
                     target = noise_scheduler.get_velocity(clean_images, noise, timesteps)
-                # ε_θ(x_t, t), in the mixed-precision dtype (DeepSpeed's model holds it)
+                # ε_θ(x_t, t): the prediction. Its input is cast to the mixed-precision dtype, as
+                # DeepSpeed keeps the model's own weights in that dtype (autocast takes either).
                 model_output = model(noisy_images.to(weight_dtype), timesteps).sample
-                # ‖ε - ε_θ(x_t, t)‖², a value per image so that Min-SNR-γ can weight it
+                # ‖ε - ε_θ(x_t, t)‖²: the simplified loss (DDPM, eq. 14), a value per image so
+                # that Min-SNR-γ can weight it.
                 loss = F.mse_loss(model_output.float(), target.float(), reduction="none")
                 loss = loss.mean(dim=[1, 2, 3])
                 if args.snr_gamma is not None:
                     loss = loss * min_snr_weights(noise_scheduler, timesteps, args.snr_gamma)
                 loss = loss.mean()
-                accelerator.backward(loss)  # gradients, averaged over processes
+                # ∇_θ of the loss, averaged over processes; clipped once every micro-batch is in.
+                accelerator.backward(loss)
                 if accelerator.sync_gradients:
                     accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-                optimizer.step()  # a gradient step, once every micro-batch is in
+                # A gradient step (accelerate skips it until the last micro-batch).
+                optimizer.step()
                 optimizer.zero_grad()
                 train_loss += loss.detach() / accumulation
 
@@ -270,15 +524,17 @@ def main(args):
                 if ema_model is not None:
                     ema_model.step(model.parameters())
                 global_step += 1
-                logs = {
-                    "loss": accelerator.reduce(train_loss, "mean").item(),  # over processes
-                    "lr": lr_scheduler.get_last_lr()[0],
-                    "img/s": total_batch_size / (time.perf_counter() - start),
-                }
                 progress_bar.update(1)
-                progress_bar.set_postfix(**logs)
-                accelerator.log(logs, step=global_step)
-                train_loss, start = 0.0, time.perf_counter()
+                if global_step % 10 == 0 or global_step >= max_train_steps:
+                    steps, logged_step = global_step - logged_step, global_step
+                    logs = {
+                        "loss": accelerator.reduce(train_loss, "mean").item() / steps,  # per step
+                        "lr": lr_scheduler.get_last_lr()[0],
+                        "img/s": steps * total_batch_size / (time.perf_counter() - start),
+                    }
+                    progress_bar.set_postfix(**logs)
+                    accelerator.log(logs, step=global_step)
+                    train_loss, start = 0.0, time.perf_counter()
                 if global_step % args.checkpointing_steps == 0:
                     save_checkpoint(accelerator, args, global_step)
             if global_step >= max_train_steps:
@@ -292,14 +548,12 @@ def main(args):
             )
         if last_epoch:
             break
+        if accelerator.is_main_process and epoch % args.save_model_epochs == 0:
+            save_pipeline(args, unwrap(model), ema_model, noise_scheduler)
 
     # 9. Final save: a folder that DDPMPipeline.from_pretrained loads, EMA weights if any
     if accelerator.is_main_process:
-        unet = unwrap(model)
-        if ema_model is not None:
-            ema_model.copy_to(unet.parameters())
-        DDPMPipeline(unet=unet, scheduler=noise_scheduler).save_pretrained(args.output_dir)
-        logger.info(f"Saved the pipeline to {args.output_dir}")
+        save_pipeline(args, unwrap(model), ema_model, noise_scheduler)
         if args.push_to_hub:
             upload_folder(
                 repo_id=repo.repo_id, folder_path=args.output_dir, ignore_patterns="*checkpoint*"
@@ -320,15 +574,19 @@ def load_train_dataset(args, *columns):
     """A hub dataset or an imagefolder, and a "row" column that seeds each image's crop and flip."""
     if args.dataset_name:
         with clear_error(f"--dataset_name {args.dataset_name}"):
-            dataset = datasets.load_dataset(args.dataset_name)["train"]
+            name, config = args.dataset_name, args.dataset_config_name
+            dataset = datasets.load_dataset(name, config, cache_dir=args.cache_dir)["train"]
     else:
         with clear_error(f"--train_data_dir {args.train_data_dir}"):
             files = {"train": os.path.join(args.train_data_dir, "**")}
-            dataset = datasets.load_dataset("imagefolder", data_files=files)["train"]
+            dataset = datasets.load_dataset(
+                "imagefolder", data_files=files, cache_dir=args.cache_dir
+            )
+            dataset = dataset["train"]
     for column in columns:
         if column not in dataset.column_names:
             raise SystemExit(f"error: no column {column!r}; the dataset has {dataset.column_names}")
-    # decoded by open_image, so that a file that cannot be read is named
+    # Decoded by open_image, so that a file that cannot be read is named.
     dataset = dataset.cast_column(args.image_column, datasets.Image(decode=False))
     return dataset.add_column("row", range(len(dataset)))
 
@@ -401,13 +659,13 @@ def resume_from_checkpoint(accelerator, args):
         return int(path.rsplit("-", 1)[1])
 
 
-def log_validation(accelerator, args, unet, ema_model, noise_scheduler, global_step):
-    unet.eval()  # no dropout while sampling
-    pipeline = DDPMPipeline(unet=unet, scheduler=DDPMScheduler.from_config(noise_scheduler.config))
+def log_validation(accelerator, args, model, ema_model, noise_scheduler, global_step):
+    model.eval()  # no dropout while sampling
+    pipeline = DDPMPipeline(unet=model, scheduler=DDPMScheduler.from_config(noise_scheduler.config))
     pipeline.set_progress_bar_config(disable=True)
     if ema_model is not None:  # sample with the EMA weights, then put the trained ones back
-        ema_model.store(unet.parameters())
-        ema_model.copy_to(unet.parameters())
+        ema_model.store(model.parameters())
+        ema_model.copy_to(model.parameters())
     images = pipeline(
         batch_size=args.eval_batch_size,
         num_inference_steps=args.ddpm_num_inference_steps,
@@ -415,9 +673,20 @@ def log_validation(accelerator, args, unet, ema_model, noise_scheduler, global_s
         output_type="pt",
     ).images.float()
     if ema_model is not None:
-        ema_model.restore(unet.parameters())
-    unet.train()
+        ema_model.restore(model.parameters())
+    model.train()
     save_grid(accelerator, args, images, global_step, nrow=math.ceil(len(images) ** 0.5))
+
+
+def save_pipeline(args, model, ema_model, noise_scheduler):
+    """The DDPMPipeline folder in --output_dir, with the EMA weights if any (then restored)."""
+    if ema_model is not None:
+        ema_model.store(model.parameters())
+        ema_model.copy_to(model.parameters())
+    DDPMPipeline(unet=model, scheduler=noise_scheduler).save_pretrained(args.output_dir)
+    if ema_model is not None:
+        ema_model.restore(model.parameters())
+    logger.info(f"Saved the pipeline to {args.output_dir}")
 
 
 def save_grid(accelerator, args, images, global_step, nrow):

@@ -2,6 +2,7 @@
 
     python docs/experiments.py unconditional      # 5 runs of 20 epochs, about 15 minutes on 2 cores
     python docs/experiments.py dit                # 3 runs, about 12 minutes
+    python docs/experiments.py dit_objectives     # ε, v and flow: 3 runs, about 15 minutes
     python docs/experiments.py text_to_image     # needs data/tiny-sd and the README's sd-digits
     python docs/experiments.py lora               # needs sd-digits
 
@@ -86,6 +87,73 @@ def dit(folder):
               "at guidance 4", flush=True)
 
 
+SAMPLING_STEPS = [1, 2, 5, 10, 25]
+
+
+def real_digits():
+    """The 1,797 8x8 digits of scikit-learn on the judge's 0..16 ink scale, and their labels."""
+    from sklearn.datasets import load_digits
+
+    digits = load_digits()
+    return torch.tensor(digits.data, dtype=torch.float32), torch.tensor(digits.target)
+
+
+def distance_to_real(images):
+    """Fidelity: the mean distance (8x8 ink, 0..16) from each sample to its nearest real digit."""
+    gray = images.mean(1, keepdim=True)
+    small = torch.nn.functional.interpolate(gray, size=(8, 8), mode="area").flatten(1) * 16
+    return torch.cdist(small, real_digits()[0]).min(1).values.mean().item()
+
+
+def judge_objectives(models, per_class=20):
+    """Each model sampled by the same solver, DPM-Solver++ (2M), at each number of steps and at guidance 1
+    and 4: the share of samples the judge reads as the digit asked for, its mean probability for that
+    digit, and the distance to real digits. models: {name: (transformer, its training noise schedule)}."""
+    from diffusers import DPMSolverMultistepScheduler
+    from train_dit import sample_images
+
+    labels = torch.arange(10).repeat_interleave(per_class)
+    results = {}
+    for name, (model, schedule) in models.items():
+        solver = DPMSolverMultistepScheduler.from_config(schedule.config)
+        for scale in [1.0, 4.0]:
+            for steps in SAMPLING_STEPS:
+                images = sample_images(model, solver, labels, scale, steps, generator=torch.manual_seed(0))
+                proba = digit_probabilities(images.permute(0, 2, 3, 1).numpy())
+                results[f"{name}, guidance {scale:g}, {steps} steps"] = {
+                    "objective": name, "guidance": scale, "steps": steps,
+                    "asked_for": float((proba.argmax(1) == labels.numpy()).mean()),
+                    "confidence": float(proba[np.arange(len(labels)), labels.numpy()].mean()),
+                    "distance": distance_to_real(images)}
+                row = results[f"{name}, guidance {scale:g}, {steps} steps"]
+                print(f"{name}, guidance {scale:g}, {steps:2d} steps: the digit asked for in {row['asked_for']:.0%}, "
+                      f"p(asked for) {row['confidence']:.2f}, distance to real digits {row['distance']:.1f}",
+                      flush=True)
+    return results
+
+
+def dit_objectives(folder):
+    """ε, v and flow matching at equal training steps (the DiT demo at 20 epochs, 2,260 steps)."""
+    import json
+
+    from diffusers import DiTTransformer2DModel, DPMSolverMultistepScheduler
+
+    demo = ["--train_data_dir", DIGITS, "--resolution", "16", "--model_config_name_or_path",
+            REPO / "configs" / "dit-digits", "--train_batch_size", "16", "--learning_rate", "5e-4",
+            "--lr_scheduler", "constant_with_warmup", "--lr_warmup_steps", "100", "--use_ema",
+            "--ema_max_decay", "0.999", "--seed", "0", "--num_epochs", "20", "--save_images_epochs", "100",
+            "--logger", "none"]
+    models = {}
+    for name in ["epsilon", "v_prediction", "flow_prediction"]:
+        out = train("train_dit.py", demo + ["--prediction_type", name], folder / name)
+        model = DiTTransformer2DModel.from_pretrained(out / "transformer").eval()
+        models[name] = (model, DPMSolverMultistepScheduler.from_pretrained(out / "scheduler"))
+    results = judge_objectives(models)
+    reference = real_digits()[0][:200]
+    results["real digits"] = {"distance": torch.cdist(reference, real_digits()[0][200:]).min(1).values.mean().item()}
+    (REPO / "docs" / "figures" / "dit-objectives.json").write_text(json.dumps(results, indent=1) + "\n")
+
+
 def load(folder):
     from diffusers import DPMSolverMultistepScheduler, StableDiffusionPipeline
 
@@ -149,7 +217,7 @@ def lora(folder):
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("guide", choices=["unconditional", "dit", "text_to_image", "lora"])
+    parser.add_argument("guide", choices=["unconditional", "dit", "dit_objectives", "text_to_image", "lora"])
     guide = parser.parse_args().guide
     with tempfile.TemporaryDirectory() as folder:
         globals()[guide](Path(folder))

@@ -34,7 +34,8 @@ SCHEDULES = {  # as diffusers' DDPMScheduler builds them: (beta_schedule, beta_s
     "squaredcos_cap_v2 (cosine, Nichol & Dhariwal)": ("squaredcos_cap_v2", 0.0001, 0.02),
 }
 FIGURES = ["forward-process.png", "schedules.png", "min-snr-weights.png", "loss-curves.png",
-           "unconditional-over-training.png", "dit-over-training.png", "dit-guidance.png", "tiny-vae.png",
+           "unconditional-over-training.png", "dit-over-training.png", "dit-guidance.png", "dit-objectives.png",
+           "tiny-vae.png",
            "text-to-image-over-training.png", "text-to-image-per-digit.png", "lora-before-after.png"]
 
 
@@ -92,6 +93,7 @@ def min_snr_weights(out):
             ax.plot(t, weights(scheduler, t, gamma), label=f"{prediction_type}, γ = {gamma:g}")
     ax.set(xlabel="t", ylabel="loss weight", yscale="log", title="Min-SNR-γ weights (Hang et al. 2023)")
     ax.legend(fontsize=7)
+    fig.tight_layout()  # the x-label inside the figure, so that the caption goes below it
     caption(fig, "min_snr_weights() of the scripts on DDPMScheduler(): min(SNR, γ)/SNR for ε, "
                  "min(SNR, γ)/(SNR + 1) for v; 1 everywhere without --snr_gamma.")
     fig.savefig(out / "min-snr-weights.png", dpi=130, bbox_inches="tight")
@@ -144,16 +146,45 @@ def dit_guidance(runs, out):
     model = DiTTransformer2DModel.from_pretrained(Path(runs["dit"], "transformer")).eval()
     scheduler = DDIMScheduler.from_pretrained(Path(runs["dit"], "scheduler"))
     labels = torch.arange(10).repeat_interleave(4)
-    fig, axes = plt.subplots(1, 4, figsize=(13, 2.0))
+    fig, axes = plt.subplots(1, 4, figsize=(8, 5.2))
     for ax, scale in zip(axes, [1, 2, 4, 7]):
         images = sample_images(model, scheduler, labels, scale, 50, generator=torch.manual_seed(0))
-        grid = images.view(10, 4, 3, *images.shape[2:]).permute(1, 3, 0, 4, 2).flatten(2, 3).flatten(0, 1)
+        # A row per class, 4 samples each: (class, sample, channel, y, x) -> (class·y, sample·x, channel).
+        grid = images.view(10, 4, 3, *images.shape[2:]).permute(0, 3, 1, 4, 2).flatten(2, 3).flatten(0, 1)
         ax.imshow(grid.numpy(), interpolation="nearest")
         ax.set_title(f"guidance s = {scale}", fontsize=9)
         ax.axis("off")
     caption(fig, f"train_dit.sample_images on {runs['dit'].name} (EMA weights), DDIM 50 steps, the same noise in "
-                 "every panel; columns: the classes 0-9 asked for.")
+                 "every panel; rows: the classes 0-9 asked for.")
     fig.savefig(out / "dit-guidance.png", dpi=130, bbox_inches="tight")
+
+
+def dit_objectives(out):
+    """ε, v and flow matching against sampling steps: docs/experiments.py dit_objectives's judged numbers."""
+    import json
+
+    results = json.loads((REPO / "docs" / "figures" / "dit-objectives.json").read_text())
+    real = results.pop("real digits")["distance"]
+    names = {"epsilon": "ε", "v_prediction": "v", "flow_prediction": "flow matching"}
+    fig, axes = plt.subplots(1, 3, figsize=(12, 3.2))
+    for ax, (key, label) in zip(axes, [("asked_for", "share drawn as the digit asked for"),
+                                       ("confidence", "judge's p(digit asked for)"),
+                                       ("distance", "distance to the nearest real digit")]):
+        for objective, name in names.items():
+            for scale, style in [(1.0, "--"), (4.0, "-")]:
+                rows = [r for r in results.values() if r["objective"] == objective and r["guidance"] == scale]
+                ax.plot([r["steps"] for r in rows], [r[key] for r in rows], style, marker="o", ms=3,
+                        color=f"C{list(names).index(objective)}", label=f"{name}, guidance {scale:g}")
+        if key == "distance":
+            ax.axhline(real, color="0.5", lw=0.8, label="real digits")
+        ax.set(xscale="log", xlabel="sampling steps (DPM-Solver++ 2M)", title=label)
+        ax.set_xticks([1, 2, 5, 10, 25], ["1", "2", "5", "10", "25"])
+    fig.tight_layout()
+    fig.legend(handles=axes[2].get_lines(), fontsize=7, loc="center left", bbox_to_anchor=(1.0, 0.55))
+    caption(fig, "docs/experiments.py dit_objectives: the DiT digits demo at 20 epochs (2,260 steps) with "
+                 "--prediction_type epsilon, v_prediction or flow_prediction; 200 samples (20 a class) judged by the "
+                 "guides' SVC; distance: mean L2 on the 8x8 ink grid (0-16) to the nearest of the 1,797 real digits.")
+    fig.savefig(out / "dit-objectives.png", dpi=130, bbox_inches="tight")
 
 
 def tiny_vae(runs, out):
@@ -282,6 +313,7 @@ def main(argv=None):
         grids_over_training(runs["dit"], args.out, "dit-over-training.png",
                             "train_dit.py: a row per class 0-9, guidance 4, DDIM")
         dit_guidance(runs, args.out)
+        dit_objectives(args.out)
         tiny_vae(runs, args.out)
         grids_over_training(runs["text_to_image"], args.out, "text-to-image-over-training.png",
                             "train_text_to_image.py: 'a handwritten digit zero' ... 'nine', guidance 3")

@@ -107,19 +107,115 @@ def test_cached_latents_are_the_vaes_moments_of_both_sides(digits_folder, tiny_s
             torch.testing.assert_close(cached, expected)
 
 
-def test_latent_training_with_cached_latents_saves_a_dit_pipeline(digits_folder, tiny_dit_config, tiny_sd_path, tmp_path):
-    from diffusers import DiTPipeline
+@pytest.mark.parametrize("prediction_type", ["epsilon", "flow_prediction"])
+def test_latent_training_with_cached_latents_saves_a_dit_pipeline(prediction_type, digits_folder, tiny_dit_config,
+                                                                  tiny_sd_path, tmp_path):
+    from diffusers import DDIMScheduler, DiTPipeline, DPMSolverMultistepScheduler
 
     out = tmp_path / "latent"
     train_in_process(SCRIPT, ["--train_data_dir", digits_folder, "--model_config_name_or_path", tiny_dit_config,
                               "--pretrained_vae_model_name_or_path", f"{tiny_sd_path}/vae", "--resolution", "64",
                               "--center_crop", "--random_flip", "--cache_latents", "--max_train_steps", "2",
                               "--train_batch_size", "4", "--num_inference_steps", "2", "--eval_batch_size", "1",
-                              "--logger", "none", "--output_dir", out])
+                              "--logger", "none", "--output_dir", out, "--prediction_type", prediction_type])
     pipeline = DiTPipeline.from_pretrained(out)  # with vae/: DiTPipeline's own call, ∅ as label 1000
     assert pipeline.transformer.config.num_embeds_ada_norm == 1000 and pipeline.transformer.config.sample_size == 8
+    if prediction_type == "flow_prediction":  # a sampler in the flow convention: σ from 1 to 0, t = 1000·σ
+        assert isinstance(pipeline.scheduler, DPMSolverMultistepScheduler)
+        assert pipeline.scheduler.config.use_flow_sigmas and pipeline.scheduler.config.prediction_type == prediction_type
+    else:
+        assert isinstance(pipeline.scheduler, DDIMScheduler)
     images = pipeline(class_labels=[1, 7], num_inference_steps=2, guidance_scale=4.0, output_type="np").images
     assert images.shape == (2, 64, 64, 3)
+
+
+@pytest.fixture(scope="module")
+def flow_run(tmp_path_factory, common):
+    """A pixel-space flow-matching run of 2 steps, recording x_0 and ε (randn_like's input and output), the
+    transformer's input and t, the loss target, and what the run logged."""
+    import logging
+
+    from diffusers import DiTTransformer2DModel
+
+    out, seen = tmp_path_factory.mktemp("flow") / "out", {"x_0": [], "noise": [], "x": [], "t": [], "target": []}
+    randn_like, forward, mse_loss = torch.randn_like, DiTTransformer2DModel.forward, torch.nn.functional.mse_loss
+
+    def record_noise(x):
+        seen["x_0"].append(x.clone())
+        seen["noise"].append(randn_like(x))
+        return seen["noise"][-1]
+
+    def record_input(self, hidden_states, timestep=None, class_labels=None, **kwargs):
+        if self.training:
+            seen["x"].append(hidden_states.clone())
+            seen["t"].append(timestep.clone())
+        return forward(self, hidden_states, timestep, class_labels, **kwargs)
+
+    def record_target(prediction, target, **kwargs):
+        seen["target"].append(target.clone())
+        return mse_loss(prediction, target, **kwargs)
+
+    log, handler = [], logging.Handler()
+    handler.emit = lambda record: log.append(record.getMessage())
+    loggers = [logging.getLogger("diffusers"), logging.getLogger("train_dit")]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(torch, "randn_like", record_noise)
+        patch.setattr(DiTTransformer2DModel, "forward", record_input)
+        patch.setattr(torch.nn.functional, "mse_loss", record_target)
+        levels = [logger.level for logger in loggers]
+        for logger in loggers:
+            logger.addHandler(handler)
+            logger.setLevel("INFO")  # the script's own line is INFO; diffusers' warning would pass too
+        try:
+            train_in_process(SCRIPT, common + ["--output_dir", out, "--prediction_type", "flow_prediction",
+                                               "--max_train_steps", "2", "--save_images_epochs", "9"])
+        finally:
+            for logger, level in zip(loggers, levels):
+                logger.removeHandler(handler)
+                logger.setLevel(level)
+    return out, seen, log
+
+
+def test_flow_matching_trains_on_the_straight_line_from_data_to_noise(flow_run):
+    """x_σ = (1-σ)·x_0 + σ·ε with σ logit-normal in (0, 1), the transformer told t = 1000·σ, the target ε - x_0."""
+    _, seen, _ = flow_run
+    assert len(seen["x"]) == len(seen["target"]) == 2
+    for x_0, noise, x, t, target in zip(*seen.values()):
+        assert t.dtype == torch.float32 and 0 < t.min() and t.max() < 1000 and not torch.equal(t, t.round())
+        sigma = (t / 1000).view(-1, 1, 1, 1)
+        torch.testing.assert_close(x, (1 - sigma) * x_0 + sigma * noise)
+        torch.testing.assert_close(target, noise - x_0)
+
+
+def test_a_pixel_space_save_says_what_it_wrote(flow_run):
+    out, _, log = flow_run
+    assert any(line.endswith(f"Saved transformer/ and scheduler/ (pixel space: no vae/) to {out}") for line in log)
+    assert not any("cannot be saved" in line for line in log)  # diffusers' warning about vae=None
+
+
+@pytest.mark.parametrize("run", ["epsilon", "flow_prediction"])
+def test_the_guides_lines_sample_a_pixel_space_folder(run, reference, flow_run):
+    """docs/3-dit.md's ```py block, as written, on a folder without vae/ (DiTPipeline cannot run it)."""
+    import re
+
+    from conftest import REPO
+
+    folder = reference if run == "epsilon" else flow_run[0]
+    block = re.search(r"```py\n(.*?)```", (REPO / "docs" / "3-dit.md").read_text(), re.S).group(1)
+    assert '"dit-digits"' in block
+    namespace = {}
+    exec(block.replace('"dit-digits"', repr(str(folder))), namespace)
+    images = namespace["images"]
+    assert images.shape == (10, 3, 32, 32) and 0 <= images.min() and images.max() <= 1
+
+
+def test_min_snr_is_refused_with_flow_matching(capsys):
+    with pytest.raises(SystemExit):
+        import_script("train_dit").parse_args(["--train_data_dir", "x", "--model_config_name_or_path", "y",
+                                               "--prediction_type", "flow_prediction", "--snr_gamma", "5"])
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert error.split(": error: ", 1)[1] == \
+        "--snr_gamma is left out with flow: the logit-normal density weights the timesteps"
 
 
 @pytest.mark.parametrize("case, expected", [

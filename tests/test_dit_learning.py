@@ -44,7 +44,7 @@ def test_dit_draws_the_digit_it_is_asked_for(tmp_path):
                timeout=3600)  # about 10 minutes alone on 2 cores; a busy machine can make it several times that
     print(f"\ntrained in {time.perf_counter() - start:.0f} s (validation grids and saves included)")
     losses = [e.value for e in EventAccumulator(str(out / "logs" / "train_dit")).Reload().Scalars("loss")]
-    assert np.mean(losses[-5:]) < 0.5 * np.mean(losses[:5])
+    assert losses[-1] < 0.5 * losses[0]  # each the mean of the 10 steps before it (logged every 10)
 
     trained = DiTTransformer2DModel.from_pretrained(out / "transformer")
     scheduler = DDIMScheduler.from_pretrained(out / "scheduler")

@@ -65,7 +65,7 @@ def test_unconditional_learns_digits(tmp_path):
     run_script(REPO / "train_unconditional.py", DEMO + steps + ["--output_dir", out], env={"OMP_NUM_THREADS": str(os.cpu_count())})
     print(f"\ntrained in {time.perf_counter() - start:.0f} s (validation grids and saves included)")
     losses = [e.value for e in EventAccumulator(str(out / "logs" / "train_unconditional")).Reload().Scalars("loss")]
-    assert np.mean(losses[-5:]) < 0.5 * np.mean(losses[:5])
+    assert losses[-1] < 0.5 * losses[0]  # each the mean of the 10 steps before it (logged every 10)
 
     pipe = DDPMPipeline.from_pretrained(out)
     untrained = UNet2DModel.from_config(pipe.unet.config)

@@ -122,28 +122,94 @@ def test_spawned_dataloader_workers_train_the_same_weights(reference, common, tm
     assert_same_run(out, reference)
 
 
-def test_min_snr_weights():
-    """min(SNR(t), γ) / SNR(t) for ε and / (SNR(t) + 1) for v, from SNR(t) = ᾱ_t / (1 - ᾱ_t)."""
+def test_min_snr_weights_cap_the_easy_timesteps():
+    """Min-SNR-γ's properties, not its formula: for ε the weight is 1 where SNR(t) ≤ γ and falls past it
+    (the nearly clean timesteps count less); for v it is min(SNR, γ)/(SNR + 1), below 1 everywhere."""
     from diffusers import DDPMScheduler
+    from diffusers.training_utils import compute_snr
 
     script = import_script("train_unconditional")
-    t = torch.tensor([0, 10, 300, 999])
-    for prediction_type, extra in [("epsilon", 0), ("v_prediction", 1)]:
-        scheduler = DDPMScheduler(prediction_type=prediction_type)
-        alpha = scheduler.alphas_cumprod[t]
-        snr = alpha / (1 - alpha)
-        expected = torch.minimum(snr, torch.tensor(5.0)) / (snr + extra)
-        torch.testing.assert_close(script.min_snr_weights(scheduler, t, 5.0), expected)
-        assert float(expected[0]) * (snr[0] + extra) == pytest.approx(5.0)  # capped at γ where t is easy
+    t = torch.arange(1000)
+    epsilon, v = DDPMScheduler(prediction_type="epsilon"), DDPMScheduler(prediction_type="v_prediction")
+    snr = compute_snr(epsilon, t)  # falls with t: t = 0 is nearly clean
+    hard = snr <= 5.0
+    assert 0 < hard.sum() < 1000  # both regimes are present
+    weights = script.min_snr_weights(epsilon, t, 5.0)
+    assert torch.all(weights[hard] == 1)
+    easy = weights[~hard]  # as t falls the SNR grows and the weight shrinks
+    assert torch.all(easy < 1) and torch.all(easy.flip(0)[1:] <= easy.flip(0)[:-1])
+    v_weights = script.min_snr_weights(v, t, 5.0)
+    torch.testing.assert_close(v_weights * (snr + 1), torch.minimum(snr, torch.tensor(5.0)))
+    assert torch.all(v_weights < 1)
 
 
-def test_the_diffusers_readme_command_parses():
+# The commands of the Diffusers example's README (examples/unconditional_image_generation/README.md), flags as
+# the shell passes them. Adapted for an offline CPU: the hub dataset becomes a local digits imagefolder, --push_to_hub is dropped
+# (no network), --logger=wandb becomes tensorboard (wandb is not installed) and fp16 becomes no (a CPU has none),
+# `accelerate launch --multi_gpu` becomes one process; then 2 steps, a tiny UNet and 2 sampling steps.
+README_COMMANDS = {
+    "flowers": ["--dataset_name=huggan/flowers-102-categories", "--resolution=64", "--center_crop", "--random_flip",
+                "--output_dir=ddpm-ema-flowers-64", "--train_batch_size=16", "--num_epochs=100",
+                "--gradient_accumulation_steps=1", "--use_ema", "--learning_rate=1e-4", "--lr_warmup_steps=500",
+                "--mixed_precision=no", "--push_to_hub"],
+    "pokemon": ["--dataset_name=huggan/pokemon", "--resolution=64", "--center_crop", "--random_flip",
+                "--output_dir=ddpm-ema-pokemon-64", "--train_batch_size=16", "--num_epochs=100",
+                "--gradient_accumulation_steps=1", "--use_ema", "--learning_rate=1e-4", "--lr_warmup_steps=500",
+                "--mixed_precision=no", "--push_to_hub"],
+    "multi-gpu": ["--dataset_name=huggan/pokemon", "--resolution=64", "--center_crop", "--random_flip",
+                  "--output_dir=ddpm-ema-pokemon-64", "--train_batch_size=16", "--num_epochs=100",
+                  "--gradient_accumulation_steps=1", "--use_ema", "--learning_rate=1e-4", "--lr_warmup_steps=500",
+                  "--mixed_precision=fp16", "--logger=wandb"],
+}
+
+
+@pytest.mark.parametrize("name", README_COMMANDS)
+def test_the_diffusers_readme_commands_run(name, digits_folder, tiny_unet_config, tmp_path):
+    from diffusers import DDPMPipeline
+
+    offline = {"--push_to_hub": [], "--logger=wandb": ["--logger=tensorboard"],
+               "--mixed_precision=fp16": ["--mixed_precision=no"]}
+    args = [new for arg in README_COMMANDS[name] for new in offline.get(arg, [arg])]
+    args = [f"--train_data_dir={digits_folder}" if a.startswith("--dataset_name") else a for a in args]
+    args = [f"--output_dir={tmp_path / a.split('=')[1]}" if a.startswith("--output_dir") else a for a in args]
+    train_in_process(SCRIPT, args + ["--max_train_steps", "2", "--model_config_name_or_path", tiny_unet_config,
+                                     "--ddpm_num_inference_steps", "2", "--eval_batch_size", "2"])
+    out = next(tmp_path.iterdir())
+    assert DDPMPipeline.from_pretrained(out).unet.config.sample_size == 32  # the tiny UNet, trained on 64 px
+    assert (out / "samples" / "step-2.png").exists()
+
+
+def test_the_official_flags_keep_their_meaning():
     script = import_script("train_unconditional")
-    args = script.parse_args(["--dataset_name=huggan/flowers-102-categories", "--resolution=64", "--center_crop",
-                              "--random_flip", "--output_dir=ddpm-ema-flowers-64", "--train_batch_size=16",
-                              "--num_epochs=100", "--gradient_accumulation_steps=1", "--use_ema", "--learning_rate=1e-4",
-                              "--lr_warmup_steps=500", "--mixed_precision=no", "--push_to_hub", "--logger=wandb"])
-    assert args.num_epochs == 100 and args.use_ema and args.logger == "wandb"
+    args = script.parse_args(["--train_data_dir=x", "--adam_beta1=0.8", "--ema_power=0.5", "--logging_dir=runs",
+                              "--overwrite_output_dir", "--local_rank=0", "--save_model_epochs=3", "--cache_dir=c"])
+    assert (args.adam_beta1, args.ema_power, args.logging_dir, args.save_model_epochs) == (0.8, 0.5, "runs", 3)
+    defaults = script.parse_args(["--train_data_dir=x"])  # the Diffusers example's
+    assert (defaults.adam_beta1, defaults.adam_beta2, defaults.adam_epsilon, defaults.adam_weight_decay) == \
+        (0.95, 0.999, 1e-8, 1e-6)
+
+
+@pytest.mark.parametrize("flag, expected", [
+    (["--hub_token", "hf_x"], "--hub_token is left out: a token on a command line lands in shell history"),
+    (["--preserve_input_precision"], "--preserve_input_precision is left out: images are read as 8-bit RGB"),
+])
+def test_a_refused_official_flag_ends_in_one_line(flag, expected, capsys):
+    with pytest.raises(SystemExit):
+        import_script("train_unconditional").parse_args(["--train_data_dir", "x", *flag])
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert error.split(": error: ", 1)[1].startswith(expected)
+
+
+def test_an_ignored_official_flag_says_so_and_runs(digits_folder, tiny_unet_config, tmp_path, capsys):
+    from diffusers import DDPMPipeline
+
+    out = tmp_path / "xformers"
+    train_in_process(SCRIPT, ["--train_data_dir", digits_folder, "--model_config_name_or_path", tiny_unet_config,
+                              "--resolution", "32", "--max_train_steps", "1", "--ddpm_num_inference_steps", "1",
+                              "--eval_batch_size", "1", "--logger", "none", "--output_dir", out,
+                              "--enable_xformers_memory_efficient_attention"])
+    assert "note: --enable_xformers_memory_efficient_attention is ignored: PyTorch's SDPA" in capsys.readouterr().out
+    DDPMPipeline.from_pretrained(out)
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,7 @@ import re
 
 import pytest
 import torch
-from conftest import (assert_same_optimizer_state, assert_same_weights, checkpoints, import_script, resume_copy,
+from conftest import (require_deepspeed, assert_same_optimizer_state, assert_same_weights, checkpoints, import_script, resume_copy,
                       run_script, train_in_process, weights, zero)
 from safetensors import safe_open
 
@@ -262,6 +262,7 @@ def test_bad_input_is_one_clear_error(case, expected, reference, tiny_sd_path, k
                "no_captions": ["--caption_extension", ".caption"], "corrupt_image": ["--train_data_dir", corrupt_folder,
                                                                                  "--caption_column", "text"]}
     if case in ("deepspeed_text_encoder", "zero3"):
+        require_deepspeed()
         monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
         monkeypatch.setenv("ACCELERATE_DEEPSPEED_ZERO_STAGE", "3" if case == "zero3" else "2")
     before = sorted(p.name for p in out.rglob("*")) if out.exists() else []

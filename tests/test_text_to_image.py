@@ -6,7 +6,7 @@ import shutil
 
 import pytest
 import torch
-from conftest import (assert_same_optimizer_state, assert_same_weights, checkpoints, import_script, resume_copy,
+from conftest import (require_deepspeed, assert_same_optimizer_state, assert_same_weights, checkpoints, import_script, resume_copy,
                       run_script, train_in_process, weights, zero)
 
 SCRIPT = "train_text_to_image.py"
@@ -216,6 +216,7 @@ def test_bad_input_is_one_clear_error(case, expected, tiny_sd_path, sd_folder, c
                "missing_checkpoint": ["--resume_from_checkpoint", "checkpoint-9"], "zero3_ema": ["--use_ema"],
                "zero3_save": []}
     if case.startswith("zero3"):  # what `accelerate launch --use_deepspeed --zero_stage 3` tells the script
+        require_deepspeed()
         monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
         monkeypatch.setenv("ACCELERATE_DEEPSPEED_ZERO_STAGE", "3")
         monkeypatch.setenv("ACCELERATE_DEEPSPEED_ZERO3_SAVE_16BIT_MODEL", "false" if case == "zero3_save" else "true")

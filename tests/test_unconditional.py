@@ -5,7 +5,7 @@ import shutil
 
 import pytest
 import torch
-from conftest import (REPO, assert_same_optimizer_state, assert_same_weights, checkpoints, import_script,
+from conftest import (require_deepspeed, REPO, assert_same_optimizer_state, assert_same_weights, checkpoints, import_script,
                       resume_copy, run_script, train_in_process, weights, zero)
 
 SCRIPT = "train_unconditional.py"
@@ -243,6 +243,7 @@ def test_bad_input_is_one_clear_error_before_training(case, expected, victim, di
                "fp16_on_cpu": ["--mixed_precision", "fp16"], "missing_checkpoint": ["--resume_from_checkpoint", "checkpoint-99"],
                "corrupt_checkpoint": ["--resume_from_checkpoint", "checkpoint-4"], "push_to_hub_offline": ["--push_to_hub"]}
     if case == "zero3":  # what `accelerate launch --use_deepspeed --zero_stage 3` tells the script
+        require_deepspeed()
         monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
         monkeypatch.setenv("ACCELERATE_DEEPSPEED_ZERO_STAGE", "3")
     before = sorted((str(p), p.stat().st_mtime_ns) for p in victim.rglob("*"))

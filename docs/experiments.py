@@ -63,15 +63,20 @@ def agreement(images, labels):
     return (digit_probabilities(images).argmax(1) == np.asarray(labels)).mean()
 
 
-def dit(folder):
-    from diffusers import DDIMScheduler, DiTTransformer2DModel
-    from train_dit import sample_images
-
-    demo = ["--train_data_dir", DIGITS, "--resolution", "16", "--model_config_name_or_path",
+def dit_demo():
+    """The README's DiT demo at 20 epochs, without its sample grids: the runs both DiT experiments compare."""
+    return ["--train_data_dir", DIGITS, "--resolution", "16", "--model_config_name_or_path",
             REPO / "configs" / "dit-digits", "--train_batch_size", "16", "--learning_rate", "5e-4",
             "--lr_scheduler", "constant_with_warmup", "--lr_warmup_steps", "100", "--use_ema",
             "--ema_max_decay", "0.999", "--seed", "0", "--num_epochs", "20", "--save_images_epochs", "100",
             "--logger", "none"]
+
+
+def dit(folder):
+    from diffusers import DDIMScheduler, DiTTransformer2DModel
+    from train_dit import sample_images
+
+    demo = dit_demo()
     runs = {"baseline (20 epochs)": [], "--class_dropout_prob 0": ["--class_dropout_prob", "0"],
             "--snr_gamma 5": ["--snr_gamma", "5"]}
     labels = torch.arange(10).repeat_interleave(20)
@@ -138,11 +143,7 @@ def dit_objectives(folder):
 
     from diffusers import DiTTransformer2DModel, DPMSolverMultistepScheduler
 
-    demo = ["--train_data_dir", DIGITS, "--resolution", "16", "--model_config_name_or_path",
-            REPO / "configs" / "dit-digits", "--train_batch_size", "16", "--learning_rate", "5e-4",
-            "--lr_scheduler", "constant_with_warmup", "--lr_warmup_steps", "100", "--use_ema",
-            "--ema_max_decay", "0.999", "--seed", "0", "--num_epochs", "20", "--save_images_epochs", "100",
-            "--logger", "none"]
+    demo = dit_demo()
     models = {}
     for name in ["epsilon", "v_prediction", "flow_prediction"]:
         out = train("train_dit.py", demo + ["--prediction_type", name], folder / name)

@@ -405,8 +405,8 @@ def main(args):
     # A list, not a generator: the optimizer and the clipping both go through it.
     lora_params = [p for m in trained for p in m.parameters() if p.requires_grad]
     # Under bf16 the model computes with bf16 copies of A and B, as with its frozen weights: fp32
-    # ones would cost casts at every adapted layer (issue #31). The optimizer updates the fp32
-    # masters. (DeepSpeed keeps such masters itself.)
+    # ones would cost casts at every adapted layer (issue #31). The optimizer updates fp32 masters,
+    # which checkpoints and the final files hold. (DeepSpeed keeps such masters itself.)
     master_params = lora_params
     if weight_dtype == torch.bfloat16 and not plugin:
         master_params = [p.detach().clone() for p in lora_params]
@@ -506,8 +506,7 @@ def main(args):
     #    load_lora_weights reads. DeepSpeed stores its model itself, the LoRA alone too.
     def save_model_hook(models, weights, output_dir):
         if accelerator.is_main_process:
-            with fp32_lora(lora_params, master_params):
-                save_lora(output_dir, *map(unwrap, models))
+            save_lora(output_dir, *map(unwrap, models))
         if accelerator.is_main_process and ema_model is not None:
             torch.save(ema_model.state_dict(), f"{output_dir}/lora_ema.pt")
         weights.clear()  # saved above
@@ -517,8 +516,7 @@ def main(args):
             saved = load_file(f"{input_dir}/pytorch_lora_weights.safetensors")
             for model, prefix in zip(models, ["unet.", "text_encoder."]):
                 layers = {k[len(prefix) :]: v for k, v in saved.items() if k.startswith(prefix)}
-                with fp32_lora(lora_params, master_params):
-                    loaded = set_peft_model_state_dict(unwrap(model), layers)
+                loaded = set_peft_model_state_dict(unwrap(model), layers)
                 # Its missing keys also list every frozen weight: only the LoRA's count.
                 missing = [k for k in loaded.missing_keys if "lora_" in k]
                 if loaded.unexpected_keys or missing:
@@ -530,6 +528,8 @@ def main(args):
 
     accelerator.register_save_state_pre_hook(save_model_hook)
     accelerator.register_load_state_pre_hook(load_model_hook)
+    # The fp32 masters (in fp32: the model's A and B themselves), saved and loaded with the state.
+    accelerator.register_for_checkpointing(torch.nn.ParameterList(master_params))
     global_step = resume_from_checkpoint(accelerator, args)
     first_epoch = global_step // steps_per_epoch
     skip_batches = global_step % steps_per_epoch * accumulation
@@ -627,10 +627,9 @@ def main(args):
             sampler = DPMSolverMultistepScheduler.from_config(noise_scheduler.config)
             encoder = unwrap(text_encoder)
             parts = dict(vae=vae, text_encoder=encoder, tokenizer=tokenizer, scheduler=sampler)
-            with fp32_lora(lora_params, master_params):
-                log_validation(
-                    accelerator, args, unwrap(model), ema_model, parts, global_step, master_params
-                )
+            log_validation(
+                accelerator, args, unwrap(model), ema_model, parts, global_step, lora_params
+            )
         if last_epoch:
             break
 
@@ -639,11 +638,12 @@ def main(args):
     accelerator.wait_for_everyone()  # every process has finished its last step
     if accelerator.is_main_process:
         unet, text_encoder = unwrap(model), unwrap(text_encoder)
-        with fp32_lora(lora_params, master_params):
-            if ema_model is not None:
-                ema_model.copy_to(master_params)
-            save_lora(args.output_dir, unet, text_encoder if args.train_text_encoder else None)
-            save_kohya(args, unet, text_encoder if args.train_text_encoder else None)
+        if ema_model is not None:
+            ema_model.copy_to(master_params)
+        for p, master in zip(lora_params, master_params):  # the files hold the fp32 masters
+            p.data = master
+        save_lora(args.output_dir, unet, text_encoder if args.train_text_encoder else None)
+        save_kohya(args, unet, text_encoder if args.train_text_encoder else None)
         logger.info(f"Saved to {args.output_dir}")
         if args.push_to_hub:
             upload_folder(
@@ -783,12 +783,12 @@ def resume_from_checkpoint(accelerator, args):
         return int(path.rsplit("-", 1)[1])
 
 
-def log_validation(accelerator, args, unet, ema_model, parts, global_step, master_params):
+def log_validation(accelerator, args, unet, ema_model, parts, global_step, lora_params):
     """A row per prompt: its images at LoRA scale 0 (the base model), then at scale 1."""
     unet.eval()  # no dropout while sampling
     if ema_model is not None:  # sample with the EMA weights, then put the trained ones back
-        ema_model.store(master_params)
-        ema_model.copy_to(master_params)
+        ema_model.store(lora_params)
+        ema_model.copy_to(lora_params)
     # From the modules in memory (no second VAE or text encoder); the trained A, B never cast.
     pipeline = StableDiffusionPipeline(
         **parts,
@@ -803,7 +803,7 @@ def log_validation(accelerator, args, unet, ema_model, parts, global_step, maste
         kwargs = dict(num_images_per_prompt=n, cross_attention_kwargs={"scale": scale})
         images.append(generate(accelerator, args, pipeline, **kwargs).split(n))  # n a prompt
     if ema_model is not None:
-        ema_model.restore(master_params)
+        ema_model.restore(lora_params)
     unet.train()
     # A row per prompt: its n images without the LoRA, then its n with it.
     rows = [torch.cat(row) for row in zip(*images)]
@@ -823,23 +823,6 @@ def to_copies(lora_params, master_params, *hook_args):
     torch._foreach_copy_(lora_params, master_params)
     for p in lora_params:
         p.grad = None
-
-
-@contextmanager
-def fp32_lora(lora_params, master_params):
-    """The model's A and B are the fp32 masters meanwhile (to save, load or sample them)."""
-    if master_params is lora_params:  # fp32 already
-        yield
-        return
-    copies = [p.data for p in lora_params]
-    for p, master in zip(lora_params, master_params):
-        p.data = master
-    try:
-        yield
-    finally:
-        for p, copy in zip(lora_params, copies):
-            p.data = copy
-        torch._foreach_copy_(copies, master_params)  # what was loaded, if anything
 
 
 def generate(accelerator, args, pipeline, **kwargs):

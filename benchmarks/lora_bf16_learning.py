@@ -11,6 +11,7 @@ loss's fall, the ink's rise), not the digits.
 
     python benchmarks/lora_bf16_learning.py            # about 15 minutes on 2 CPU cores
     python benchmarks/lora_bf16_learning.py --digits_model FOLDER   # that digits model instead
+    python benchmarks/lora_bf16_learning.py --max_train_steps 300   # a shorter LoRA run
 """
 
 import argparse
@@ -52,6 +53,7 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--digits_model", type=Path, help="A digits model built as above already.")
     p.add_argument("--precisions", nargs="+", default=["no", "bf16"], choices=["no", "bf16"])
+    p.add_argument("--max_train_steps", type=int, default=800, help="The LoRA's steps (CI: 800).")
     args = p.parse_args()
     work = Path(tempfile.mkdtemp(prefix="lora-bf16-"))
     env = {"OMP_NUM_THREADS": str(os.cpu_count())}
@@ -60,7 +62,14 @@ def main():
     ink, read_images = demo.tool("make_bold_digits").ink, demo.tool("make_bold_digits").read_images
     bold, rows = read_images(demo.DATA / "bold-digits")
     held_out, captions = bold[250:], [row["text"] for row in rows][250:]
-    ci = ["--max_train_steps", "800", "--validation_epochs", "100", "--num_inference_steps", "5"]
+    ci = [
+        "--max_train_steps",
+        str(args.max_train_steps),
+        "--validation_epochs",
+        "100",
+        "--num_inference_steps",
+        "5",
+    ]
     results = []
     for precision in args.precisions:
         out = work / f"lora-{precision}"

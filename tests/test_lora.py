@@ -57,10 +57,13 @@ def test_resume_is_exact(reference, common):
 def test_checkpoints_hold_the_lora_alone(reference):
     assert checkpoints(reference) == ["checkpoint-2", "checkpoint-4", "checkpoint-6"]
     assert sorted(p.name for p in (reference / "checkpoint-6").iterdir()) == [
-        "lora_ema.pt", "optimizer.bin", LORA, "random_states_0.pkl", "scheduler.bin"]
+        "custom_checkpoint_0.pkl", "lora_ema.pt", "optimizer.bin", LORA, "random_states_0.pkl", "scheduler.bin"]
     lora = weights(reference / "checkpoint-6", LORA)
     assert all(".lora_A." in k or ".lora_B." in k for k in lora)  # no frozen weight
     assert sum(v.numel() for v in lora.values()) < 100_000
+    # The optimizer's masters: in fp32 the model's own A and B, the same numbers as the LoRA file.
+    masters = torch.load(reference / "checkpoint-6" / "custom_checkpoint_0.pkl")
+    assert sorted(v.numel() for v in masters.values()) == sorted(v.numel() for v in lora.values())
     assert (reference / "samples" / "step-3.png").exists()
 
 

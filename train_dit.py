@@ -460,8 +460,6 @@ def main(args):
     model, optimizer, train_dataloader, lr_scheduler = accelerator.prepare(
         model, optimizer, train_dataloader, lr_scheduler
     )
-    if ema_model is not None:
-        ema_model.to(accelerator.device)
     # each process draws its own ε and t (the Diffusers examples draw the same ones on every GPU)
     set_seed(args.seed, device_specific=True)
 
@@ -482,11 +480,12 @@ def main(args):
         if ema_model is not None:
             loaded = EMAModel.from_pretrained(f"{input_dir}/transformer_ema", DiTTransformer2DModel)
             ema_model.load_state_dict(loaded.state_dict())
-            ema_model.to(accelerator.device)
 
     accelerator.register_save_state_pre_hook(save_model_hook)
     accelerator.register_load_state_pre_hook(load_model_hook)
     global_step = resume_from_checkpoint(accelerator, args)
+    if ema_model is not None:  # on the device, also when it was loaded
+        ema_model.to(accelerator.device)
     first_epoch = global_step // steps_per_epoch
     skip_batches = global_step % steps_per_epoch * accumulation
     if accelerator.is_main_process:

@@ -496,19 +496,15 @@ def main(args):
     )
     if args.train_text_encoder:  # its LoRA learns too: DDP wraps it as well
         text_encoder = accelerator.prepare(text_encoder)
-    if ema_model is not None:
-        ema_model.to(accelerator.device)
     # each process draws its own ε and t (the Diffusers examples draw the same ones on every GPU)
     set_seed(args.seed, device_specific=True)
 
     # 6. Checkpoint hooks and resume. save_state stores the optimizer, LR schedule and the RNG
-    #    states of every process; the hooks store the LoRA alone (and its EMA), in the file
-    #    load_lora_weights reads. DeepSpeed stores its model itself, the LoRA alone too.
+    #    states of every process; the hooks store the LoRA alone, in the file load_lora_weights
+    #    reads. DeepSpeed stores its model itself, the LoRA alone too.
     def save_model_hook(models, weights, output_dir):
         if accelerator.is_main_process:
             save_lora(output_dir, *map(unwrap, models))
-        if accelerator.is_main_process and ema_model is not None:
-            torch.save(ema_model.state_dict(), f"{output_dir}/lora_ema.pt")
         weights.clear()  # saved above
 
     def load_model_hook(models, input_dir):
@@ -522,15 +518,16 @@ def main(args):
                 if loaded.unexpected_keys or missing:
                     raise ValueError(f"{input_dir} holds other LoRA layers than this run's")
             models.clear()
-        if ema_model is not None:
-            ema_model.load_state_dict(torch.load(f"{input_dir}/lora_ema.pt", map_location="cpu"))
-            ema_model.to(accelerator.device)
 
     accelerator.register_save_state_pre_hook(save_model_hook)
     accelerator.register_load_state_pre_hook(load_model_hook)
-    # The fp32 masters (in fp32: the model's A and B themselves), saved and loaded with the state.
+    # The fp32 masters (in fp32: the model's A and B themselves) and the EMA are part of the state.
     accelerator.register_for_checkpointing(torch.nn.ParameterList(master_params))
+    if ema_model is not None:
+        accelerator.register_for_checkpointing(ema_model)
     global_step = resume_from_checkpoint(accelerator, args)
+    if ema_model is not None:  # on the device, also when it was loaded
+        ema_model.to(accelerator.device)
     first_epoch = global_step // steps_per_epoch
     skip_batches = global_step % steps_per_epoch * accumulation
     if accelerator.is_main_process:
@@ -841,10 +838,9 @@ def generate(accelerator, args, pipeline, **kwargs):
 
 
 def save_lora(output_dir, unet, text_encoder=None):
-    """The A and B matrices under peft's names, in the file load_lora_weights reads, with each
-    adapter's config in its metadata (without it loaders take α = r). Not converted to diffusers'
-    older names: with targets beyond attention that mixes two namings, and diffusers then loads
-    only a third of the layers."""
+    """A and B under peft's names, in the file load_lora_weights reads, each adapter's config in
+    its metadata (without it loaders take α = r). diffusers' older names would mix two namings
+    with targets beyond attention, and diffusers then loads only a third of the layers."""
     config = {"unet_lora_adapter_metadata": unet.peft_config["default"].to_dict()}
     if text_encoder is not None:
         config["text_encoder_lora_layers"] = get_peft_model_state_dict(text_encoder)

@@ -49,7 +49,8 @@ def test_resume_is_exact(reference, common):
     out = resume_copy(reference, "checkpoint-4")
     train_in_process(SCRIPT, common + ["--output_dir", out, "--resume_from_checkpoint", "latest"])
     assert_same_run(out, reference)
-    ema, ema_ref = (torch.load(d / "checkpoint-6" / "lora_ema.pt") for d in (out, reference))
+    # custom_checkpoint_1.pkl: the EMA, registered for checkpointing after the masters.
+    ema, ema_ref = (torch.load(d / "checkpoint-6" / "custom_checkpoint_1.pkl") for d in (out, reference))
     for a, b in zip(ema["shadow_params"], ema_ref["shadow_params"]):
         assert torch.equal(a, b)
 
@@ -57,7 +58,7 @@ def test_resume_is_exact(reference, common):
 def test_checkpoints_hold_the_lora_alone(reference):
     assert checkpoints(reference) == ["checkpoint-2", "checkpoint-4", "checkpoint-6"]
     assert sorted(p.name for p in (reference / "checkpoint-6").iterdir()) == [
-        "custom_checkpoint_0.pkl", "lora_ema.pt", "optimizer.bin", LORA, "random_states_0.pkl", "scheduler.bin"]
+        "custom_checkpoint_0.pkl", "custom_checkpoint_1.pkl", "optimizer.bin", LORA, "random_states_0.pkl", "scheduler.bin"]
     lora = weights(reference / "checkpoint-6", LORA)
     assert all(".lora_A." in k or ".lora_B." in k for k in lora)  # no frozen weight
     assert sum(v.numel() for v in lora.values()) < 100_000

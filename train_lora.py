@@ -7,8 +7,6 @@ and trains only A and B. Rank 4 on SD 1.5's attention: 0.8 M parameters, not the
 
     accelerate launch train_lora.py --pretrained_model_name_or_path PATH_OR_HUB_ID \
         --train_data_dir my_photos --instance_prompt "a photo of sks dog" --resolution 512
-
-Its nine numbered sections come in the same order in every script here.
 """
 
 import argparse
@@ -16,7 +14,6 @@ import logging
 import math
 import os
 import shutil
-import time
 from contextlib import contextmanager
 from dataclasses import replace
 from datetime import timedelta
@@ -292,8 +289,7 @@ def parse_args(argv=None):
     p.add_argument(
         "--push_to_hub",
         action="store_true",
-        help="Upload the trained model to the Hugging Face Hub "
-        "(log in first: `huggingface-cli login`).",
+        help="Upload the trained model to the Hugging Face Hub (log in first: `hf auth login`).",
     )
     p.add_argument(
         "--hub_model_id", help="The Hub repository to upload to; default: the name of --output_dir."
@@ -301,7 +297,7 @@ def parse_args(argv=None):
     p.add_argument(
         "--hub_private_repo", action="store_true", help="Create the Hub repository as private."
     )
-    p.add_argument("--hub_token", help="Left out: use `huggingface-cli login` or HF_TOKEN.")
+    p.add_argument("--hub_token", help="Left out: use `hf auth login` or HF_TOKEN.")
     p.add_argument(
         "--local_rank",
         type=int,
@@ -314,25 +310,24 @@ def parse_args(argv=None):
     if args.cache_latents and not args.center_crop:
         p.error("--cache_latents needs --center_crop (a random crop differs each epoch)")
     refused = {
-        "hub_token": "a token on a command line lands in shell history and logs; "
-        "run `huggingface-cli login` or set HF_TOKEN",
+        "hub_token": "a token in a command lands in shell history; run `hf auth login`",
     }
     ignored = {
-        "enable_xformers_memory_efficient_attention": "PyTorch's SDPA attention is already used",
+        "enable_xformers_memory_efficient_attention": "PyTorch's SDPA attention is used",
     }
-    for flag in vars(args):
-        if getattr(args, flag) and flag in refused:
+    for flag, value in vars(args).items():
+        if value and flag in refused:
             p.error(f"--{flag} is left out: {refused[flag]}")
-        if getattr(args, flag) and flag in ignored:
+        if value and flag in ignored:
             print(f"note: --{flag} is ignored: {ignored[flag]}")
     args.lora_alpha = args.lora_alpha or args.rank
     return args
 
 
 def main(args):
-    # 2. Accelerator, logging, seed. Accelerate takes the devices, processes and precision from
-    #    `accelerate launch` or `accelerate config`: one file for a CPU, a GPU or many.
-    # several processes on CPUs talk over gloo, which DeepSpeed must be told
+    # 2. Accelerator, logging, seed. `accelerate launch` or `accelerate config` sets the devices,
+    #    processes and precision: one file for a CPU, a GPU or many.
+    # Processes on CPUs talk over gloo, which DeepSpeed must be told.
     gloo = "gloo" if "LOCAL_RANK" in os.environ and not torch.accelerator.is_available() else None
     accelerator = Accelerator(
         gradient_accumulation_steps=args.gradient_accumulation_steps,
@@ -341,13 +336,13 @@ def main(args):
         project_config=ProjectConfiguration(
             args.output_dir, logging_dir=os.path.join(args.output_dir, args.logging_dir)
         ),
-        # every process draws the same permutation each epoch and takes its own share of it
+        # Every process draws the same permutation each epoch and takes its share of it.
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=args.seed),
         step_scheduler_with_optimizer=False,  # the loop steps the LR once per optimizer step
-        # the others wait up to 2 h while the main process validates
+        # The others wait up to 2 h while the main process validates.
         kwargs_handlers=[InitProcessGroupKwargs(backend=gloo, timeout=timedelta(hours=2))],
     )
-    # a model itself: no DDP, DeepSpeed or torch.compile wrapper around it
+    # The model itself, without its DDP, DeepSpeed or torch.compile wrapper.
     unwrap = partial(accelerator.unwrap_model, keep_torch_compile=False)
     if accelerator.mixed_precision == "fp16" and accelerator.device.type == "cpu":
         raise SystemExit("error: --mixed_precision fp16 needs a GPU; on a CPU use bf16 or no")
@@ -363,12 +358,9 @@ def main(args):
     if args.allow_tf32:
         torch.backends.cuda.matmul.allow_tf32 = True
     if args.push_to_hub and accelerator.is_main_process:
+        repo_id = args.hub_model_id or os.path.basename(os.path.abspath(args.output_dir))
         with clear_error("--push_to_hub"):  # now, not after hours of training
-            repo = create_repo(
-                args.hub_model_id or os.path.basename(os.path.abspath(args.output_dir)),
-                private=args.hub_private_repo,
-                exist_ok=True,
-            )
+            repo = create_repo(repo_id, private=args.hub_private_repo, exist_ok=True)
 
     # 3. Models: the base pipeline's noise schedule, tokenizer, text encoder, VAE and UNet
     path = args.pretrained_model_name_or_path
@@ -402,7 +394,6 @@ def main(args):
     trained = [model, text_encoder] if args.train_text_encoder else [model]
     # A and B in fp32: fp16 gradients could not be unscaled, bf16 updates of 1e-4 would round away.
     cast_training_params(trained, dtype=torch.float32)
-    # A list, not a generator: the optimizer and the clipping both go through it.
     lora_params = [p for m in trained for p in m.parameters() if p.requires_grad]
     # Under bf16 the model computes with bf16 copies of A and B, as with its frozen weights: fp32
     # ones would cost casts at every adapted layer (issue #31). The optimizer updates fp32 masters,
@@ -496,12 +487,11 @@ def main(args):
     )
     if args.train_text_encoder:  # its LoRA learns too: DDP wraps it as well
         text_encoder = accelerator.prepare(text_encoder)
-    # each process draws its own ε and t (the Diffusers examples draw the same ones on every GPU)
+    # Each process draws its own ε and t (the Diffusers examples draw the same on every GPU).
     set_seed(args.seed, device_specific=True)
 
-    # 6. Checkpoint hooks and resume. save_state stores the optimizer, LR schedule and the RNG
-    #    states of every process; the hooks store the LoRA alone, in the file load_lora_weights
-    #    reads. DeepSpeed stores its model itself, the LoRA alone too.
+    # 6. Checkpoint hooks and resume. save_state stores the optimizer, LR schedule and every
+    #    process's RNG states; the hooks add the LoRA alone, in the file load_lora_weights reads.
     def save_model_hook(models, weights, output_dir):
         if accelerator.is_main_process:
             save_lora(output_dir, *map(unwrap, models))
@@ -530,9 +520,8 @@ def main(args):
         ema_model.to(accelerator.device)
     first_epoch = global_step // steps_per_epoch
     skip_batches = global_step % steps_per_epoch * accumulation
-    if accelerator.is_main_process:
-        hparams = {k: v for k, v in vars(args).items() if isinstance(v, (int, float, str))}
-        accelerator.init_trackers("text2image-fine-tune", config=hparams)
+    hparams = {k: v for k, v in vars(args).items() if isinstance(v, (int, float, str))}
+    accelerator.init_trackers("text2image-fine-tune", config=hparams)
 
     # 7. The training loop: Algorithm 1 of DDPM on latents, conditioned on the captions
     logger.info(f"{len(train_dataset)} images, {max_train_steps} steps of {total_batch_size}")
@@ -540,7 +529,7 @@ def main(args):
         range(max_train_steps), initial=global_step, disable=not accelerator.is_local_main_process
     )
     # The loss is summed on the device and read every 10 steps: reading it makes the CPU wait.
-    train_loss, logged_step, start = 0.0, global_step, time.perf_counter()
+    train_loss, logged_step = 0.0, global_step
     for epoch in range(first_epoch, num_epochs):
         model.train()
         train_dataset.set_transform(partial(transform, epoch=epoch))
@@ -551,8 +540,7 @@ def main(args):
         for batch in batches:
             with accelerator.accumulate(model, text_encoder):
                 with torch.no_grad():  # the frozen VAE
-                    # z_0 ~ q(z_0): a sample of the VAE's posterior N(μ, σ²), scaled to unit
-                    # variance.
+                    # z_0 ~ q(z_0): a sample of the VAE's posterior N(μ, σ²), at unit variance.
                     if args.cache_latents:
                         posterior = DiagonalGaussianDistribution(batch["latent_moments"])
                     else:
@@ -580,8 +568,7 @@ def main(args):
                 # as DeepSpeed keeps the model's own weights in that dtype (autocast takes either).
                 noisy_latents = noisy_latents.to(weight_dtype)
                 model_output = model(noisy_latents, timesteps, encoder_hidden_states).sample
-                # ‖ε - ε_θ(z_t, t, c)‖²: the simplified loss (DDPM, eq. 14), a value per image so
-                # that Min-SNR-γ can weight it.
+                # ‖ε - ε_θ(z_t, t, c)‖²: the simplified loss (DDPM eq. 14), per image for Min-SNR-γ.
                 loss = F.mse_loss(model_output.float(), target.float(), reduction="none")
                 loss = loss.mean(dim=[1, 2, 3])
                 if args.snr_gamma is not None:
@@ -604,14 +591,11 @@ def main(args):
                 progress_bar.update(1)
                 if global_step % 10 == 0 or global_step >= max_train_steps:
                     steps, logged_step = global_step - logged_step, global_step
-                    logs = {
-                        "loss": accelerator.reduce(train_loss, "mean").item() / steps,  # per step
-                        "lr": lr_scheduler.get_last_lr()[0],
-                        "img/s": steps * total_batch_size / (time.perf_counter() - start),
-                    }
+                    loss_per_step = accelerator.reduce(train_loss, "mean").item() / steps
+                    logs = {"loss": loss_per_step, "lr": lr_scheduler.get_last_lr()[0]}
                     progress_bar.set_postfix(**logs)
                     accelerator.log(logs, step=global_step)
-                    train_loss, start = 0.0, time.perf_counter()
+                    train_loss = 0.0
                 if global_step % args.checkpointing_steps == 0:
                     save_checkpoint(accelerator, args, global_step)
             if global_step >= max_train_steps:
@@ -621,26 +605,23 @@ def main(args):
         last_epoch = epoch == num_epochs - 1 or global_step >= max_train_steps
         validate = args.validation_prompts and (epoch % args.validation_epochs == 0 or last_epoch)
         if validate and accelerator.is_main_process:
-            sampler = DPMSolverMultistepScheduler.from_config(noise_scheduler.config)
-            encoder = unwrap(text_encoder)
-            parts = dict(vae=vae, text_encoder=encoder, tokenizer=tokenizer, scheduler=sampler)
-            log_validation(
-                accelerator, args, unwrap(model), ema_model, parts, global_step, lora_params
-            )
+            # The base pipeline holds the very modules that train: no second copy, none cast.
+            base.scheduler = DPMSolverMultistepScheduler.from_config(noise_scheduler.config)
+            log_validation(accelerator, args, base, ema_model, global_step, lora_params)
         if last_epoch:
             break
 
     # 9. Final save: the LoRA (EMA weights if any) in the file diffusers loads, and in kohya's
     #    for ComfyUI, A1111/Forge and kohya's own scripts
-    accelerator.wait_for_everyone()  # every process has finished its last step
     if accelerator.is_main_process:
-        unet, text_encoder = unwrap(model), unwrap(text_encoder)
         if ema_model is not None:
             ema_model.copy_to(master_params)
         for p, master in zip(lora_params, master_params):  # the files hold the fp32 masters
             p.data = master
-        save_lora(args.output_dir, unet, text_encoder if args.train_text_encoder else None)
-        save_kohya(args, unet, text_encoder if args.train_text_encoder else None)
+        save_lora(
+            args.output_dir, base.unet, base.text_encoder if args.train_text_encoder else None
+        )
+        save_kohya(args)
         logger.info(f"Saved to {args.output_dir}")
         if args.push_to_hub:
             upload_folder(
@@ -660,17 +641,14 @@ def clear_error(flag):
 
 def load_train_dataset(args, *columns):
     """A hub dataset or an imagefolder, and a "row" column that seeds each image's crop and flip."""
-    if args.dataset_name:
-        with clear_error(f"--dataset_name {args.dataset_name}"):
-            name, config = args.dataset_name, args.dataset_config_name
-            dataset = datasets.load_dataset(name, config, cache_dir=args.cache_dir)["train"]
-    else:
-        with clear_error(f"--train_data_dir {args.train_data_dir}"):
-            files = {"train": os.path.join(args.train_data_dir, "**")}
-            dataset = datasets.load_dataset(
-                "imagefolder", data_files=files, cache_dir=args.cache_dir
-            )
-            dataset = dataset["train"]
+    name, config, files = args.dataset_name, args.dataset_config_name, None
+    flag = f"--dataset_name {name}"
+    if name is None:  # an imagefolder: every image under --train_data_dir
+        name, files = "imagefolder", os.path.join(args.train_data_dir, "**")
+        flag = f"--train_data_dir {args.train_data_dir}"
+    with clear_error(flag):
+        dataset = datasets.load_dataset(name, config, data_files=files, cache_dir=args.cache_dir)
+        dataset = dataset["train"]
     for column in columns:
         if column not in dataset.column_names:
             raise SystemExit(f"error: no column {column!r}; the dataset has {dataset.column_names}")
@@ -686,10 +664,8 @@ def read_caption(item, column, extension):
 
 def open_image(item):
     """One image, decoded as `datasets` does it (turned upright by its EXIF orientation)."""
-    try:
+    with clear_error(f"image {item['path']}"):
         return datasets.Image().decode_example(item)
-    except Exception as e:
-        raise SystemExit(f"error: image {item['path']} cannot be read: {e}") from None
 
 
 def preprocess(examples, args, augment, tokenizer, shape, epoch):
@@ -780,29 +756,21 @@ def resume_from_checkpoint(accelerator, args):
         return int(path.rsplit("-", 1)[1])
 
 
-def log_validation(accelerator, args, unet, ema_model, parts, global_step, lora_params):
+def log_validation(accelerator, args, pipeline, ema_model, global_step, lora_params):
     """A row per prompt: its images at LoRA scale 0 (the base model), then at scale 1."""
+    unet = pipeline.unet
     unet.eval()  # no dropout while sampling
     if ema_model is not None:  # sample with the EMA weights, then put the trained ones back
         ema_model.store(lora_params)
         ema_model.copy_to(lora_params)
-    # From the modules in memory (no second VAE or text encoder); the trained A, B never cast.
-    pipeline = StableDiffusionPipeline(
-        **parts,
-        unet=unet,
-        safety_checker=None,
-        feature_extractor=None,
-        requires_safety_checker=False,
-    )
     pipeline.set_progress_bar_config(disable=True)
     n, images = args.num_validation_images, []
-    for scale in (0, 1):  # the LoRA off (the base model), then on
+    for scale in (0, 1):
         kwargs = dict(num_images_per_prompt=n, cross_attention_kwargs={"scale": scale})
         images.append(generate(accelerator, args, pipeline, **kwargs).split(n))  # n a prompt
     if ema_model is not None:
         ema_model.restore(lora_params)
     unet.train()
-    # A row per prompt: its n images without the LoRA, then its n with it.
     rows = [torch.cat(row) for row in zip(*images)]
     save_grid(accelerator, args, torch.cat(rows), global_step, nrow=2 * n)
 
@@ -838,9 +806,8 @@ def generate(accelerator, args, pipeline, **kwargs):
 
 
 def save_lora(output_dir, unet, text_encoder=None):
-    """A and B under peft's names, in the file load_lora_weights reads, each adapter's config in
-    its metadata (without it loaders take α = r). diffusers' older names would mix two namings
-    with targets beyond attention, and diffusers then loads only a third of the layers."""
+    """A and B under peft's names (diffusers' older ones cover attention only: with wider targets
+    it would load a third of the layers), with each adapter's config, else loaders take α = r."""
     config = {"unet_lora_adapter_metadata": unet.peft_config["default"].to_dict()}
     if text_encoder is not None:
         config["text_encoder_lora_layers"] = get_peft_model_state_dict(text_encoder)
@@ -849,14 +816,12 @@ def save_lora(output_dir, unet, text_encoder=None):
     StableDiffusionPipeline.save_lora_weights(output_dir, unet_lora_layers=layers, **config)
 
 
-def save_kohya(args, unet, text_encoder=None):
-    """The same LoRA in kohya's format, which ComfyUI, A1111/Forge and kohya load: keys
-    lora_unet_… and lora_te_text_model_… with an alpha each. diffusers' converter writes SDXL's
-    lora_te1_ and α = r; transformers 5's CLIP lacks the text_model level all tools expect."""
-    layers = {f"unet.{k}": v for k, v in get_peft_model_state_dict(unet).items()}
-    if text_encoder is not None:
-        for k, v in get_peft_model_state_dict(text_encoder).items():
-            layers[f"text_encoder.text_model.{k.removeprefix('text_model.')}"] = v
+def save_kohya(args):
+    """The file just saved, in kohya's format (ComfyUI, A1111/Forge and kohya load it). diffusers'
+    converter writes SDXL's lora_te1_ and α = r; transformers 5's CLIP lacks text_model."""
+    layers = load_file(f"{args.output_dir}/pytorch_lora_weights.safetensors")
+    for k in [k for k in layers if k.startswith("text_encoder.")]:
+        layers["text_encoder.text_model." + k[13:].removeprefix("text_model.")] = layers.pop(k)
     kohya = convert_state_dict_to_kohya(layers)
     kohya = {k.replace("lora_te1_", "lora_te_"): v for k, v in kohya.items()}
     kohya |= {k: torch.tensor(args.lora_alpha) for k in kohya if k.endswith(".alpha")}

@@ -8,8 +8,6 @@ caption into the states c that the UNet reads through cross-attention, so the UN
 
     accelerate launch train_text_to_image.py --pretrained_model_name_or_path PATH_OR_HUB_ID \
         --train_data_dir data/digits --resolution 512 --output_dir sd-model-finetuned
-
-Its nine numbered sections come in the same order in every script here.
 """
 
 import argparse
@@ -17,7 +15,6 @@ import logging
 import math
 import os
 import shutil
-import time
 from contextlib import contextmanager
 from datetime import timedelta
 from functools import partial
@@ -40,7 +37,6 @@ from diffusers.training_utils import EMAModel, compute_snr
 from huggingface_hub import create_repo, upload_folder
 from torchvision import transforms
 from tqdm.auto import tqdm
-from transformers.integrations import unset_hf_deepspeed_config
 
 logger = get_logger(__name__)
 
@@ -218,7 +214,9 @@ def parse_args(argv=None):
         help="Keep an exponential moving average of the weights, and save and sample with it.",
     )
     p.add_argument("--offload_ema", action="store_true", help="Ignored: memory only.")
-    p.add_argument("--foreach_ema", action="store_true", help="Ignored: speed only.")
+    p.add_argument(
+        "--foreach_ema", action="store_true", help="Update the EMA with multi-tensor ops: faster."
+    )
     p.add_argument(
         "--report_to",
         default="tensorboard",
@@ -273,7 +271,7 @@ def parse_args(argv=None):
         "--dream_training", action="store_true", help="Left out: it changes the objective."
     )
     p.add_argument(
-        "--dream_detail_preservation", type=float, help="Ignored, as --dream_training is."
+        "--dream_detail_preservation", type=float, help="Used only by --dream_training (left out)."
     )
     p.add_argument(
         "--checkpointing_steps",
@@ -293,8 +291,7 @@ def parse_args(argv=None):
     p.add_argument(
         "--push_to_hub",
         action="store_true",
-        help="Upload the trained model to the Hugging Face Hub "
-        "(log in first: `huggingface-cli login`).",
+        help="Upload the trained model to the Hugging Face Hub (log in first: `hf auth login`).",
     )
     p.add_argument(
         "--hub_model_id", help="The Hub repository to upload to; default: the name of --output_dir."
@@ -302,7 +299,7 @@ def parse_args(argv=None):
     p.add_argument(
         "--hub_private_repo", action="store_true", help="Create the Hub repository as private."
     )
-    p.add_argument("--hub_token", help="Left out: use `huggingface-cli login` or HF_TOKEN.")
+    p.add_argument("--hub_token", help="Left out: use `hf auth login` or HF_TOKEN.")
     p.add_argument(
         "--local_rank",
         type=int,
@@ -315,29 +312,26 @@ def parse_args(argv=None):
     if args.cache_latents and not args.center_crop:
         p.error("--cache_latents needs --center_crop (a random crop differs each epoch)")
     refused = {
-        "hub_token": "a token on a command line lands in shell history and logs; "
-        "run `huggingface-cli login` or set HF_TOKEN",
+        "hub_token": "a token in a command lands in shell history; run `hf auth login`",
         "dream_training": "DREAM changes the training objective; train without it",
         "non_ema_revision": "a UNet of another revision changes the result; use --revision",
     }
     ignored = {
-        "enable_xformers_memory_efficient_attention": "PyTorch's SDPA attention is already used",
+        "enable_xformers_memory_efficient_attention": "PyTorch's SDPA attention is used",
         "offload_ema": "memory only; the EMA stays on the device",
-        "foreach_ema": "speed only; EMAModel's default is used",
-        "dream_detail_preservation": "it applies only to --dream_training, which is left out",
     }
-    for flag in vars(args):
-        if getattr(args, flag) and flag in refused:
+    for flag, value in vars(args).items():
+        if value and flag in refused:
             p.error(f"--{flag} is left out: {refused[flag]}")
-        if getattr(args, flag) and flag in ignored:
+        if value and flag in ignored:
             print(f"note: --{flag} is ignored: {ignored[flag]}")
     return args
 
 
 def main(args):
-    # 2. Accelerator, logging, seed. Accelerate takes the devices, processes and precision from
-    #    `accelerate launch` or `accelerate config`: one file for a CPU, a GPU or many.
-    # several processes on CPUs talk over gloo, which DeepSpeed must be told
+    # 2. Accelerator, logging, seed. `accelerate launch` or `accelerate config` sets the devices,
+    #    processes and precision: one file for a CPU, a GPU or many.
+    # Processes on CPUs talk over gloo, which DeepSpeed must be told.
     gloo = "gloo" if "LOCAL_RANK" in os.environ and not torch.accelerator.is_available() else None
     accelerator = Accelerator(
         gradient_accumulation_steps=args.gradient_accumulation_steps,
@@ -346,22 +340,19 @@ def main(args):
         project_config=ProjectConfiguration(
             args.output_dir, logging_dir=os.path.join(args.output_dir, args.logging_dir)
         ),
-        # every process draws the same permutation each epoch and takes its own share of it
+        # Every process draws the same permutation each epoch and takes its share of it.
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=args.seed),
         step_scheduler_with_optimizer=False,  # the loop steps the LR once per optimizer step
-        # the others wait up to 2 h while the main process validates
+        # The others wait up to 2 h while the main process validates.
         kwargs_handlers=[InitProcessGroupKwargs(backend=gloo, timeout=timedelta(hours=2))],
     )
-    # a model itself: no DDP, DeepSpeed or torch.compile wrapper around it
+    # The model itself, without its DDP, DeepSpeed or torch.compile wrapper.
     unwrap = partial(accelerator.unwrap_model, keep_torch_compile=False)
     if accelerator.mixed_precision == "fp16" and accelerator.device.type == "cpu":
         raise SystemExit("error: --mixed_precision fp16 needs a GPU; on a CPU use bf16 or no")
     plugin = accelerator.state.deepspeed_plugin
-    sharded = plugin is not None and plugin.zero_stage == 3  # each process: a part of θ
-    if accelerator.distributed_type == DistributedType.FSDP:
-        raise SystemExit("error: launch with DDP or DeepSpeed, not FSDP")
-    if sharded and (args.use_ema or not plugin.zero3_save_16bit_model):  # needs θ whole
-        raise SystemExit("error: ZeRO-3 needs --zero3_save_16bit_model true and no --use_ema")
+    if accelerator.distributed_type == DistributedType.FSDP or (plugin and plugin.zero_stage == 3):
+        raise SystemExit("error: launch with DDP or DeepSpeed ZeRO-1/2, not FSDP or ZeRO-3")
     logging.basicConfig(level=logging.INFO)
     if not accelerator.is_main_process:
         datasets.utils.logging.set_verbosity_error()
@@ -369,19 +360,13 @@ def main(args):
     if args.allow_tf32:
         torch.backends.cuda.matmul.allow_tf32 = True
     if args.push_to_hub and accelerator.is_main_process:
+        repo_id = args.hub_model_id or os.path.basename(os.path.abspath(args.output_dir))
         with clear_error("--push_to_hub"):  # now, not after hours of training
-            repo = create_repo(
-                args.hub_model_id or os.path.basename(os.path.abspath(args.output_dir)),
-                private=args.hub_private_repo,
-                exist_ok=True,
-            )
+            repo = create_repo(repo_id, private=args.hub_private_repo, exist_ok=True)
 
     # 3. Models: the base pipeline's noise schedule, tokenizer, text encoder, VAE and UNet
     path = args.pretrained_model_name_or_path
     with clear_error(f"--pretrained_model_name_or_path {path}"):
-        # ZeRO-3 tells transformers to split every model it loads. The frozen ones must stay
-        # whole, for they run outside DeepSpeed (accelerate's own switch leaves it on).
-        unset_hf_deepspeed_config()
         base = StableDiffusionPipeline.from_pretrained(
             path,
             revision=args.revision,
@@ -405,7 +390,10 @@ def main(args):
     ema_model = None
     if args.use_ema:  # of the whole UNet, saved with its config
         ema_model = EMAModel(
-            model.parameters(), model_cls=UNet2DConditionModel, model_config=model.config
+            model.parameters(),
+            model_cls=UNet2DConditionModel,
+            model_config=model.config,
+            foreach=args.foreach_ema,
         )
 
     # 4. Data: images resized, cropped, flipped, scaled to [-1, 1]; captions tokenized
@@ -479,14 +467,13 @@ def main(args):
     model, optimizer, train_dataloader, lr_scheduler = accelerator.prepare(
         model, optimizer, train_dataloader, lr_scheduler
     )
-    # each process draws its own ε and t (the Diffusers examples draw the same ones on every GPU)
+    # Each process draws its own ε and t (the Diffusers examples draw the same on every GPU).
     set_seed(args.seed, device_specific=True)
 
-    # 6. Checkpoint hooks and resume. save_state stores the optimizer, LR schedule and the RNG
-    #    states of every process; the hooks store the model (and EMA) as `from_pretrained`
-    #    folders, as the Diffusers examples do (and DeepSpeed its own copy; under ZeRO-3 only that).
+    # 6. Checkpoint hooks and resume. save_state stores the optimizer, LR schedule and every
+    #    process's RNG states; the hooks add the model (and EMA) as `from_pretrained` folders.
     def save_model_hook(models, weights, output_dir):
-        if accelerator.is_main_process and not sharded:
+        if accelerator.is_main_process:
             unwrap(models[0]).save_pretrained(f"{output_dir}/unet")
         if accelerator.is_main_process and ema_model is not None:
             ema_model.save_pretrained(f"{output_dir}/unet_ema")
@@ -507,9 +494,8 @@ def main(args):
         ema_model.to(accelerator.device)
     first_epoch = global_step // steps_per_epoch
     skip_batches = global_step % steps_per_epoch * accumulation
-    if accelerator.is_main_process:
-        hparams = {k: v for k, v in vars(args).items() if isinstance(v, (int, float, str))}
-        accelerator.init_trackers(args.tracker_project_name, config=hparams)
+    hparams = {k: v for k, v in vars(args).items() if isinstance(v, (int, float, str))}
+    accelerator.init_trackers(args.tracker_project_name, config=hparams)
 
     # 7. The training loop: Algorithm 1 of DDPM on latents, conditioned on the captions
     logger.info(f"{len(train_dataset)} images, {max_train_steps} steps of {total_batch_size}")
@@ -517,7 +503,7 @@ def main(args):
         range(max_train_steps), initial=global_step, disable=not accelerator.is_local_main_process
     )
     # The loss is summed on the device and read every 10 steps: reading it makes the CPU wait.
-    train_loss, logged_step, start = 0.0, global_step, time.perf_counter()
+    train_loss, logged_step = 0.0, global_step
     for epoch in range(first_epoch, num_epochs):
         model.train()
         train_dataset.set_transform(partial(transform, epoch=epoch))
@@ -528,8 +514,7 @@ def main(args):
         for batch in batches:
             with accelerator.accumulate(model):
                 with torch.no_grad():  # the frozen encoders
-                    # z_0 ~ q(z_0): a sample of the VAE's posterior N(μ, σ²), scaled to unit
-                    # variance.
+                    # z_0 ~ q(z_0): a sample of the VAE's posterior N(μ, σ²), at unit variance.
                     if args.cache_latents:
                         posterior = DiagonalGaussianDistribution(batch["latent_moments"])
                     else:
@@ -561,8 +546,7 @@ def main(args):
                 # as DeepSpeed keeps the model's own weights in that dtype (autocast takes either).
                 noisy_latents = noisy_latents.to(weight_dtype)
                 model_output = model(noisy_latents, timesteps, encoder_hidden_states).sample
-                # ‖ε - ε_θ(z_t, t, c)‖²: the simplified loss (DDPM, eq. 14), a value per image so
-                # that Min-SNR-γ can weight it.
+                # ‖ε - ε_θ(z_t, t, c)‖²: the simplified loss (DDPM eq. 14), per image for Min-SNR-γ.
                 loss = F.mse_loss(model_output.float(), target.float(), reduction="none")
                 loss = loss.mean(dim=[1, 2, 3])
                 if args.snr_gamma is not None:
@@ -585,48 +569,37 @@ def main(args):
                 progress_bar.update(1)
                 if global_step % 10 == 0 or global_step >= max_train_steps:
                     steps, logged_step = global_step - logged_step, global_step
-                    logs = {
-                        "loss": accelerator.reduce(train_loss, "mean").item() / steps,  # per step
-                        "lr": lr_scheduler.get_last_lr()[0],
-                        "img/s": steps * total_batch_size / (time.perf_counter() - start),
-                    }
+                    loss_per_step = accelerator.reduce(train_loss, "mean").item() / steps
+                    logs = {"loss": loss_per_step, "lr": lr_scheduler.get_last_lr()[0]}
                     progress_bar.set_postfix(**logs)
                     accelerator.log(logs, step=global_step)
-                    train_loss, start = 0.0, time.perf_counter()
+                    train_loss = 0.0
                 if global_step % args.checkpointing_steps == 0:
                     save_checkpoint(accelerator, args, global_step)
             if global_step >= max_train_steps:
                 break
 
-        # 8. Validation: the prompts from fixed noise, with the EMA weights if any. Under ZeRO-3
-        #    every process runs the UNet (each holds a part of it); the main one saves the grid
+        # 8. Validation: the prompts from fixed noise, with the EMA weights if any
         last_epoch = epoch == num_epochs - 1 or global_step >= max_train_steps
         validate = args.validation_prompts and (epoch % args.validation_epochs == 0 or last_epoch)
-        if validate and (accelerator.is_main_process or sharded):
-            sampler = DPMSolverMultistepScheduler.from_config(noise_scheduler.config)
-            parts = dict(vae=vae, text_encoder=text_encoder, tokenizer=tokenizer, scheduler=sampler)
-            log_validation(accelerator, args, unwrap(model), ema_model, parts, global_step)
+        if validate and accelerator.is_main_process:
+            # The base pipeline holds the very modules that train: no second copy, none cast.
+            base.scheduler = DPMSolverMultistepScheduler.from_config(noise_scheduler.config)
+            log_validation(accelerator, args, base, ema_model, global_step)
         if last_epoch:
             break
 
-    # 9. Final save: the whole pipeline, the base's frozen parts as they are on disk, the UNet
-    #    (EMA weights if any) gathered from every process under ZeRO-3
-    accelerator.wait_for_everyone()  # every process has finished its last step
-    state_dict = accelerator.get_state_dict(model) if sharded else None  # every process gathers
+    # 9. Final save: the whole pipeline, the frozen parts as they are on disk, the UNet with the
+    #    EMA weights if any
     if accelerator.is_main_process:
         unet = unwrap(model)
-        if sharded:
-            unet = UNet2DConditionModel.from_config(unet.config)
-            unet.load_state_dict(state_dict)
         if ema_model is not None:
             ema_model.copy_to(unet.parameters())
         pipeline = StableDiffusionPipeline.from_pretrained(
             path, unet=unet, revision=args.revision, variant=args.variant, cache_dir=args.cache_dir
         )
-        # the base scheduler, with the prediction type this UNet was trained for
-        pipeline.scheduler.register_to_config(
-            prediction_type=noise_scheduler.config.prediction_type
-        )
+        if args.prediction_type is not None:  # the base scheduler, told what this UNet predicts
+            pipeline.scheduler.register_to_config(prediction_type=args.prediction_type)
         pipeline.save_pretrained(args.output_dir)
         logger.info(f"Saved to {args.output_dir}")
         if args.push_to_hub:
@@ -647,17 +620,14 @@ def clear_error(flag):
 
 def load_train_dataset(args, *columns):
     """A hub dataset or an imagefolder, and a "row" column that seeds each image's crop and flip."""
-    if args.dataset_name:
-        with clear_error(f"--dataset_name {args.dataset_name}"):
-            name, config = args.dataset_name, args.dataset_config_name
-            dataset = datasets.load_dataset(name, config, cache_dir=args.cache_dir)["train"]
-    else:
-        with clear_error(f"--train_data_dir {args.train_data_dir}"):
-            files = {"train": os.path.join(args.train_data_dir, "**")}
-            dataset = datasets.load_dataset(
-                "imagefolder", data_files=files, cache_dir=args.cache_dir
-            )
-            dataset = dataset["train"]
+    name, config, files = args.dataset_name, args.dataset_config_name, None
+    flag = f"--dataset_name {name}"
+    if name is None:  # an imagefolder: every image under --train_data_dir
+        name, files = "imagefolder", os.path.join(args.train_data_dir, "**")
+        flag = f"--train_data_dir {args.train_data_dir}"
+    with clear_error(flag):
+        dataset = datasets.load_dataset(name, config, data_files=files, cache_dir=args.cache_dir)
+        dataset = dataset["train"]
     for column in columns:
         if column not in dataset.column_names:
             raise SystemExit(f"error: no column {column!r}; the dataset has {dataset.column_names}")
@@ -673,10 +643,8 @@ def read_caption(item, column, extension):
 
 def open_image(item):
     """One image, decoded as `datasets` does it (turned upright by its EXIF orientation)."""
-    try:
+    with clear_error(f"image {item['path']}"):
         return datasets.Image().decode_example(item)
-    except Exception as e:
-        raise SystemExit(f"error: image {item['path']} cannot be read: {e}") from None
 
 
 def preprocess(examples, args, augment, tokenizer, shape, epoch):
@@ -766,26 +734,18 @@ def resume_from_checkpoint(accelerator, args):
         return int(path.rsplit("-", 1)[1])
 
 
-def log_validation(accelerator, args, unet, ema_model, parts, global_step):
+def log_validation(accelerator, args, pipeline, ema_model, global_step):
+    unet = pipeline.unet
     unet.eval()  # no dropout while sampling
     if ema_model is not None:  # sample with the EMA weights, then put the trained ones back
         ema_model.store(unet.parameters())
         ema_model.copy_to(unet.parameters())
-    # from the modules in memory (no second VAE or text encoder); the trained UNet never cast
-    pipeline = StableDiffusionPipeline(
-        **parts,
-        unet=unet,
-        safety_checker=None,
-        feature_extractor=None,
-        requires_safety_checker=False,
-    )
     pipeline.set_progress_bar_config(disable=True)
     images = generate(accelerator, args, pipeline)
     if ema_model is not None:
         ema_model.restore(unet.parameters())
     unet.train()
-    if accelerator.is_main_process:
-        save_grid(accelerator, args, images, global_step, nrow=len(images))
+    save_grid(accelerator, args, images, global_step, nrow=len(images))
 
 
 def generate(accelerator, args, pipeline, **kwargs):

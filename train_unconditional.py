@@ -8,8 +8,6 @@ x_t = √ᾱ_t·x_0 + √(1-ᾱ_t)·ε, and a gradient step on ‖ε - ε_θ(x_t
 
     accelerate launch train_unconditional.py --train_data_dir data/digits --resolution 16 \
         --model_config_name_or_path configs/unet-digits --output_dir ddpm-digits
-
-Its nine numbered sections come in the same order in every script here.
 """
 
 import argparse
@@ -17,7 +15,6 @@ import logging
 import math
 import os
 import shutil
-import time
 from contextlib import contextmanager
 from datetime import timedelta
 from functools import partial
@@ -274,10 +271,7 @@ def parse_args(argv=None):
     p.add_argument(
         "--push_to_hub",
         action="store_true",
-        help=(
-            "Upload the trained model to the Hugging Face Hub (log in first: `huggingface-cli "
-            "login`)."
-        ),
+        help=("Upload the trained model to the Hugging Face Hub (log in first: `hf auth login`)."),
     )
     p.add_argument(
         "--hub_model_id",
@@ -288,9 +282,7 @@ def parse_args(argv=None):
         action="store_true",
         help="Create the Hub repository as private.",
     )
-    p.add_argument(
-        "--hub_token", help="Left out: run `huggingface-cli login` or set HF_TOKEN instead."
-    )
+    p.add_argument("--hub_token", help="Left out: run `hf auth login` or set HF_TOKEN instead.")
     p.add_argument(
         "--local_rank",
         type=int,
@@ -300,28 +292,23 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if args.dataset_name is None and args.train_data_dir is None:
         p.error("give a dataset: --dataset_name or --train_data_dir")
-    if args.hub_token:
-        p.error(
-            "--hub_token is left out: a token on a command line lands in shell history and logs; "
-            "run `huggingface-cli login` or set HF_TOKEN"
-        )
-    if args.preserve_input_precision:
-        p.error(
-            "--preserve_input_precision is left out: images are read as 8-bit RGB, as the "
-            "Diffusers example reads them without it; convert 16-bit images to 8 bits"
-        )
-    if args.enable_xformers_memory_efficient_attention:
-        print(
-            "note: --enable_xformers_memory_efficient_attention is ignored: "
-            "PyTorch's SDPA attention is already used"
-        )
+    refused = {
+        "hub_token": "a token in a command lands in shell history; run `hf auth login`",
+        "preserve_input_precision": "images are read as 8-bit RGB, as the example reads them",
+    }
+    ignored = {"enable_xformers_memory_efficient_attention": "PyTorch's SDPA attention is used"}
+    for flag, value in vars(args).items():
+        if value and flag in refused:
+            p.error(f"--{flag} is left out: {refused[flag]}")
+        if value and flag in ignored:
+            print(f"note: --{flag} is ignored: {ignored[flag]}")
     return args
 
 
 def main(args):
-    # 2. Accelerator, logging, seed. Accelerate takes the devices, processes and precision from
-    #    `accelerate launch` or `accelerate config`: one file for a CPU, a GPU or many.
-    # several processes on CPUs talk over gloo, which DeepSpeed must be told
+    # 2. Accelerator, logging, seed. `accelerate launch` or `accelerate config` sets the devices,
+    #    processes and precision: one file for a CPU, a GPU or many.
+    # Processes on CPUs talk over gloo, which DeepSpeed must be told.
     gloo = "gloo" if "LOCAL_RANK" in os.environ and not torch.accelerator.is_available() else None
     accelerator = Accelerator(
         gradient_accumulation_steps=args.gradient_accumulation_steps,
@@ -330,13 +317,13 @@ def main(args):
         project_config=ProjectConfiguration(
             args.output_dir, logging_dir=os.path.join(args.output_dir, args.logging_dir)
         ),
-        # every process draws the same permutation each epoch and takes its own share of it
+        # Every process draws the same permutation each epoch and takes its share of it.
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=args.seed),
         step_scheduler_with_optimizer=False,  # the loop steps the LR once per optimizer step
-        # the others wait up to 2 h while the main process validates
+        # The others wait up to 2 h while the main process validates.
         kwargs_handlers=[InitProcessGroupKwargs(backend=gloo, timeout=timedelta(hours=2))],
     )
-    # a model itself: no DDP, DeepSpeed or torch.compile wrapper around it
+    # The model itself, without its DDP, DeepSpeed or torch.compile wrapper.
     unwrap = partial(accelerator.unwrap_model, keep_torch_compile=False)
     if accelerator.mixed_precision == "fp16" and accelerator.device.type == "cpu":
         raise SystemExit("error: --mixed_precision fp16 needs a GPU; on a CPU use bf16 or no")
@@ -350,12 +337,9 @@ def main(args):
     if args.allow_tf32:
         torch.backends.cuda.matmul.allow_tf32 = True
     if args.push_to_hub and accelerator.is_main_process:
+        repo_id = args.hub_model_id or os.path.basename(os.path.abspath(args.output_dir))
         with clear_error("--push_to_hub"):  # now, not after hours of training
-            repo = create_repo(
-                args.hub_model_id or os.path.basename(os.path.abspath(args.output_dir)),
-                private=args.hub_private_repo,
-                exist_ok=True,
-            )
+            repo = create_repo(repo_id, private=args.hub_private_repo, exist_ok=True)
 
     # 3. Models: the UNet ε_θ, and the noise schedule β_1..β_T of the forward process
     dtypes = {"fp16": torch.float16, "bf16": torch.bfloat16}
@@ -413,7 +397,6 @@ def main(args):
         import bitsandbytes
 
         optimizer_class = bitsandbytes.optim.AdamW8bit
-    # The Diffusers example's AdamW by default: β = (0.95, 0.999), a little weight decay.
     optimizer = optimizer_class(
         model.parameters(),
         lr=args.learning_rate,
@@ -434,12 +417,11 @@ def main(args):
     model, optimizer, train_dataloader, lr_scheduler = accelerator.prepare(
         model, optimizer, train_dataloader, lr_scheduler
     )
-    # each process draws its own ε and t (the Diffusers examples draw the same ones on every GPU)
+    # Each process draws its own ε and t (the Diffusers examples draw the same on every GPU).
     set_seed(args.seed, device_specific=True)
 
-    # 6. Checkpoint hooks and resume. save_state stores the optimizer, LR schedule and the RNG
-    #    states of every process; the hooks store the model (and EMA) as `from_pretrained`
-    #    folders, as the Diffusers examples do (DeepSpeed keeps a copy of its own too).
+    # 6. Checkpoint hooks and resume. save_state stores the optimizer, LR schedule and every
+    #    process's RNG states; the hooks add the model (and EMA) as `from_pretrained` folders.
     def save_model_hook(models, weights, output_dir):
         if accelerator.is_main_process:
             unwrap(models[0]).save_pretrained(f"{output_dir}/unet")
@@ -462,9 +444,8 @@ def main(args):
         ema_model.to(accelerator.device)
     first_epoch = global_step // steps_per_epoch
     skip_batches = global_step % steps_per_epoch * accumulation
-    if accelerator.is_main_process:
-        hparams = {k: v for k, v in vars(args).items() if isinstance(v, (int, float, str))}
-        accelerator.init_trackers("train_unconditional", config=hparams)
+    hparams = {k: v for k, v in vars(args).items() if isinstance(v, (int, float, str))}
+    accelerator.init_trackers("train_unconditional", config=hparams)
 
     # 7. The training loop: Algorithm 1 of DDPM
     total_batch_size = args.train_batch_size * accelerator.num_processes * accumulation
@@ -473,7 +454,7 @@ def main(args):
         range(max_train_steps), initial=global_step, disable=not accelerator.is_local_main_process
     )
     # The loss is summed on the device and read every 10 steps: reading it makes the CPU wait.
-    train_loss, logged_step, start = 0.0, global_step, time.perf_counter()
+    train_loss, logged_step = 0.0, global_step
     for epoch in range(first_epoch, num_epochs):
         model.train()
         # This epoch's crops and flips: preprocess seeds them with (seed, epoch, row).
@@ -488,10 +469,9 @@ def main(args):
                 clean_images = batch["pixel_values"]
                 # ε ~ N(0, I): the noise to mix in.
                 noise = torch.randn_like(clean_images)
-                bsz, device = len(clean_images), clean_images.device
                 # t ~ U{0, ..., T-1}: a timestep per image.
                 T = noise_scheduler.config.num_train_timesteps
-                timesteps = torch.randint(0, T, (bsz,), device=device)
+                timesteps = torch.randint(0, T, (len(noise),), device=noise.device)
                 # x_t = √ᾱ_t·x_0 + √(1-ᾱ_t)·ε: the forward process in closed form (DDPM, eq. 4).
                 noisy_images = noise_scheduler.add_noise(clean_images, noise, timesteps)
                 # The target: ε itself, or v = √ᾱ_t·ε - √(1-ᾱ_t)·x_0 (Salimans & Ho 2022).
@@ -502,8 +482,7 @@ def main(args):
                 # ε_θ(x_t, t): the prediction. Its input is cast to the mixed-precision dtype, as
                 # DeepSpeed keeps the model's own weights in that dtype (autocast takes either).
                 model_output = model(noisy_images.to(weight_dtype), timesteps).sample
-                # ‖ε - ε_θ(x_t, t)‖²: the simplified loss (DDPM, eq. 14), a value per image so
-                # that Min-SNR-γ can weight it.
+                # ‖ε - ε_θ(x_t, t)‖²: the simplified loss (DDPM eq. 14), per image for Min-SNR-γ.
                 loss = F.mse_loss(model_output.float(), target.float(), reduction="none")
                 loss = loss.mean(dim=[1, 2, 3])
                 if args.snr_gamma is not None:
@@ -526,14 +505,11 @@ def main(args):
                 progress_bar.update(1)
                 if global_step % 10 == 0 or global_step >= max_train_steps:
                     steps, logged_step = global_step - logged_step, global_step
-                    logs = {
-                        "loss": accelerator.reduce(train_loss, "mean").item() / steps,  # per step
-                        "lr": lr_scheduler.get_last_lr()[0],
-                        "img/s": steps * total_batch_size / (time.perf_counter() - start),
-                    }
+                    loss_per_step = accelerator.reduce(train_loss, "mean").item() / steps
+                    logs = {"loss": loss_per_step, "lr": lr_scheduler.get_last_lr()[0]}
                     progress_bar.set_postfix(**logs)
                     accelerator.log(logs, step=global_step)
-                    train_loss, start = 0.0, time.perf_counter()
+                    train_loss = 0.0
                 if global_step % args.checkpointing_steps == 0:
                     save_checkpoint(accelerator, args, global_step)
             if global_step >= max_train_steps:
@@ -571,17 +547,14 @@ def clear_error(flag):
 
 def load_train_dataset(args, *columns):
     """A hub dataset or an imagefolder, and a "row" column that seeds each image's crop and flip."""
-    if args.dataset_name:
-        with clear_error(f"--dataset_name {args.dataset_name}"):
-            name, config = args.dataset_name, args.dataset_config_name
-            dataset = datasets.load_dataset(name, config, cache_dir=args.cache_dir)["train"]
-    else:
-        with clear_error(f"--train_data_dir {args.train_data_dir}"):
-            files = {"train": os.path.join(args.train_data_dir, "**")}
-            dataset = datasets.load_dataset(
-                "imagefolder", data_files=files, cache_dir=args.cache_dir
-            )
-            dataset = dataset["train"]
+    name, config, files = args.dataset_name, args.dataset_config_name, None
+    flag = f"--dataset_name {name}"
+    if name is None:  # an imagefolder: every image under --train_data_dir
+        name, files = "imagefolder", os.path.join(args.train_data_dir, "**")
+        flag = f"--train_data_dir {args.train_data_dir}"
+    with clear_error(flag):
+        dataset = datasets.load_dataset(name, config, data_files=files, cache_dir=args.cache_dir)
+        dataset = dataset["train"]
     for column in columns:
         if column not in dataset.column_names:
             raise SystemExit(f"error: no column {column!r}; the dataset has {dataset.column_names}")
@@ -592,16 +565,14 @@ def load_train_dataset(args, *columns):
 
 def open_image(item):
     """One image, decoded as `datasets` does it (turned upright by its EXIF orientation)."""
-    try:
+    with clear_error(f"image {item['path']}"):
         return datasets.Image().decode_example(item)
-    except Exception as e:
-        raise SystemExit(f"error: image {item['path']} cannot be read: {e}") from None
 
 
 def preprocess(examples, args, augment, epoch):
-    """Images to tensors. The crop and flip are drawn from a seed of (seed, epoch, row), not from
-    the global random stream that ε and t come from: the dataloader reads a batch ahead, which
-    would shift that stream at a resume. Module level, so that spawned workers can unpickle it."""
+    """Images to tensors, each crop and flip drawn from a seed of (seed, epoch, row): the global
+    stream of ε and t would shift at a resume, as the dataloader reads a batch ahead. Module
+    level, so that spawned workers can unpickle it."""
     batch = {"pixel_values": []}
     for i, row in enumerate(examples["row"]):
         with torch.random.fork_rng(devices=[]):

@@ -7,7 +7,6 @@ import os
 import sys
 import time
 
-import numpy as np
 import pytest
 import torch
 from conftest import REPO, run_script

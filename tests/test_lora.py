@@ -225,8 +225,8 @@ def test_a_refused_official_flag_ends_in_one_line(capsys):
         import_script("train_lora").parse_args(["--pretrained_model_name_or_path", "x", "--train_data_dir", "y",
                                                 "--hub_token", "hf_x"])
     error = capsys.readouterr().err.splitlines()[-1]  # after argparse's usage line
-    assert error.split(": error: ", 1)[1] == ("--hub_token is left out: a token on a command line lands in shell "
-                                             "history and logs; run `huggingface-cli login` or set HF_TOKEN")
+    assert error.split(": error: ", 1)[1] == ("--hub_token is left out: a token in a command lands in shell "
+                                             "history; run `hf auth login`")
 
 
 def test_an_ignored_official_flag_says_so_and_trains(common, tmp_path, capsys):

@@ -190,7 +190,7 @@ def test_the_official_flags_keep_their_meaning():
 
 
 @pytest.mark.parametrize("flag, expected", [
-    (["--hub_token", "hf_x"], "--hub_token is left out: a token on a command line lands in shell history"),
+    (["--hub_token", "hf_x"], "--hub_token is left out: a token in a command lands in shell history"),
     (["--preserve_input_precision"], "--preserve_input_precision is left out: images are read as 8-bit RGB"),
 ])
 def test_a_refused_official_flag_ends_in_one_line(flag, expected, capsys):
@@ -250,7 +250,7 @@ def test_bad_input_is_one_clear_error_before_training(case, expected, victim, di
     error = run_in_process(SCRIPT, args + changes.get(case, []))
     assert error.startswith(expected.format(victim=victim)) and "\n" not in error
     if case == "corrupt_image":
-        assert "0003.png cannot be read" in error
+        assert "0003.png: UnidentifiedImageError: " in error  # the file, and why it cannot be read
     assert sorted((str(p), p.stat().st_mtime_ns) for p in victim.rglob("*")) == before  # nothing written
 
 

@@ -44,15 +44,13 @@ logger = get_logger(__name__)
 # 1. Arguments: train_unconditional.py's flags, the DiT paper's defaults
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description="Train a class-conditional DiT from scratch.")
-    p.add_argument(
+    source = p.add_mutually_exclusive_group(required=True)  # the images: one of the two
+    source.add_argument(
         "--dataset_name",
         help="A dataset on the Hugging Face Hub, or a local folder `datasets` can load.",
     )
     p.add_argument("--dataset_config_name", help="The dataset's configuration, if it has several.")
-    p.add_argument(
-        "--train_data_dir",
-        help="A folder of images (an imagefolder), used if no --dataset_name.",
-    )
+    source.add_argument("--train_data_dir", help="A folder of images (an imagefolder).")
     p.add_argument(
         "--image_column", default="image", help="The dataset column that holds the images."
     )
@@ -263,7 +261,6 @@ def parse_args(argv=None):
         default="linear",
         help="The noise schedule β_1..β_T: linear (DDPM's), scaled_linear or squaredcos_cap_v2.",
     )
-    # Tens of DDIM (or DPM-Solver++) steps, not DDPM's 1000: hence not --ddpm_num_inference_steps.
     p.add_argument("--num_inference_steps", type=int, default=50, help="Validation sampling steps.")
     p.add_argument("--guidance_scale", type=float, default=4.0, help="Validation guidance scale s.")
     p.add_argument(
@@ -303,8 +300,6 @@ def parse_args(argv=None):
         help="Accepted for legacy launchers that pass it; accelerate sets the rank itself.",
     )
     args = p.parse_args(argv)
-    if args.dataset_name is None and args.train_data_dir is None:
-        p.error("give a dataset: --dataset_name or --train_data_dir")
     if args.cache_latents and not (args.pretrained_vae_model_name_or_path and args.center_crop):
         p.error("--cache_latents needs a VAE and --center_crop (a random crop differs each epoch)")
     if args.snr_gamma is not None and args.prediction_type == "flow_prediction":

@@ -55,14 +55,13 @@ def parse_args(argv=None):
     )
     p.add_argument("--revision", help="The model's Git revision on the Hub (branch, tag, commit).")
     p.add_argument("--variant", help='Load the weight files of this variant, e.g. "fp16".')
-    p.add_argument(
+    source = p.add_mutually_exclusive_group(required=True)  # the images: one of the two
+    source.add_argument(
         "--dataset_name",
         help="A dataset on the Hugging Face Hub, or a local folder `datasets` can load.",
     )
     p.add_argument("--dataset_config_name", help="The dataset's configuration, if it has several.")
-    p.add_argument(
-        "--train_data_dir", help="A folder of images (an imagefolder), used if no --dataset_name."
-    )
+    source.add_argument("--train_data_dir", help="A folder of images (an imagefolder).")
     p.add_argument(
         "--image_column", default="image", help="The dataset column that holds the images."
     )
@@ -305,8 +304,6 @@ def parse_args(argv=None):
         help="Accepted for legacy launchers that pass it; accelerate sets the rank itself.",
     )
     args = p.parse_args(argv)
-    if args.dataset_name is None and args.train_data_dir is None:
-        p.error("give a dataset: --dataset_name or --train_data_dir")
     if args.cache_latents and not args.center_crop:
         p.error("--cache_latents needs --center_crop (a random crop differs each epoch)")
     refused = {

@@ -40,15 +40,13 @@ logger = get_logger(__name__)
 # 1. Arguments: the Diffusers example's flags and defaults, so its commands run unchanged
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description="Train a DDPM (UNet2DModel) from scratch.")
-    p.add_argument(
+    source = p.add_mutually_exclusive_group(required=True)  # the images: one of the two
+    source.add_argument(
         "--dataset_name",
         help="A dataset on the Hugging Face Hub, or a local folder `datasets` can load.",
     )
     p.add_argument("--dataset_config_name", help="The dataset's configuration, if it has several.")
-    p.add_argument(
-        "--train_data_dir",
-        help="A folder of images (an imagefolder), used if no --dataset_name.",
-    )
+    source.add_argument("--train_data_dir", help="A folder of images (an imagefolder).")
     p.add_argument(
         "--image_column", default="image", help="The dataset column that holds the images."
     )
@@ -290,8 +288,6 @@ def parse_args(argv=None):
         help="Accepted for legacy launchers that pass it; accelerate sets the rank itself.",
     )
     args = p.parse_args(argv)
-    if args.dataset_name is None and args.train_data_dir is None:
-        p.error("give a dataset: --dataset_name or --train_data_dir")
     refused = {
         "hub_token": "a token in a command lands in shell history; run `hf auth login`",
         "preserve_input_precision": "images are read as 8-bit RGB, as the example reads them",
@@ -363,7 +359,7 @@ def main(args):
         prediction_type=args.prediction_type,
     )
     ema_model = None
-    if args.use_ema:  # the decay warms up as 1 - (1 + n / inv_gamma)^-power, to --ema_max_decay
+    if args.use_ema:  # decay 1 - (1 + n/inv_gamma)^-power, up to --ema_max_decay
         decay = dict(decay=args.ema_max_decay, use_ema_warmup=True, power=args.ema_power)
         decay |= dict(inv_gamma=args.ema_inv_gamma)
         ema_model = EMAModel(

@@ -266,4 +266,4 @@ def test_fsdp_is_refused(digits_folder, tiny_unet_config, tmp_path, run_in_proce
 def test_a_dataset_is_required(capsys):
     with pytest.raises(SystemExit):
         import_script("train_unconditional").parse_args(["--resolution", "32"])
-    assert "give a dataset: --dataset_name or --train_data_dir" in capsys.readouterr().err
+    assert "one of the arguments --dataset_name --train_data_dir is required" in capsys.readouterr().err

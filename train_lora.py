@@ -543,9 +543,8 @@ def main(args):
                     else:
                         posterior = vae.encode(batch["pixel_values"].to(vae.dtype)).latent_dist
                     latents = posterior.sample().float() * vae.config.scaling_factor
-                with torch.set_grad_enabled(args.train_text_encoder):  # its LoRA learns, or not
-                    # c: the caption's text-encoder states, which the UNet reads.
-                    encoder_hidden_states = text_encoder(batch["input_ids"])[0]
+                # c: the caption's encoder states (autograd records them only if a weight learns).
+                encoder_hidden_states = text_encoder(batch["input_ids"])[0]
                 # ε ~ N(0, I): the noise to mix in.
                 noise = torch.randn_like(latents)
                 bsz, device = len(latents), latents.device
@@ -615,9 +614,7 @@ def main(args):
             ema_model.copy_to(master_params)
         for p, master in zip(lora_params, master_params):  # the files hold the fp32 masters
             p.data = master
-        save_lora(
-            args.output_dir, base.unet, base.text_encoder if args.train_text_encoder else None
-        )
+        save_lora(args.output_dir, *trained)  # the UNet, and the text encoder if it learns
         save_kohya(args)
         logger.info(f"Saved to {args.output_dir}")
         if args.push_to_hub:
@@ -689,8 +686,7 @@ def preprocess(examples, args, augment, tokenizer, shape, epoch):
                 caption = ""
             captions.append(caption)
     batch = {name: values for name, values in batch.items() if len(values)}
-    length = tokenizer.model_max_length  # CLIP reads 77 tokens
-    tokens = tokenizer(captions, max_length=length, padding="max_length", truncation=True)
+    tokens = tokenizer(captions, padding="max_length", truncation=True)  # to CLIP's 77 tokens
     batch["input_ids"] = torch.tensor(tokens.input_ids)
     return batch
 

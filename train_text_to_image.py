@@ -89,6 +89,7 @@ def parse_args(argv=None):
     )
     p.add_argument(
         "--validation_prompts",
+        "--validation_prompt",
         nargs="+",
         help="Drawn from fixed noise as it trains; default: none.",
     )
@@ -510,15 +511,15 @@ def main(args):
             batches = accelerator.skip_first_batches(train_dataloader, skip_batches)
         for batch in batches:
             with accelerator.accumulate(model):
-                with torch.no_grad():  # the frozen encoders
+                with torch.no_grad():  # the frozen VAE
                     # z_0 ~ q(z_0): a sample of the VAE's posterior N(μ, σ²), at unit variance.
                     if args.cache_latents:
                         posterior = DiagonalGaussianDistribution(batch["latent_moments"])
                     else:
                         posterior = vae.encode(batch["pixel_values"].to(vae.dtype)).latent_dist
                     latents = posterior.sample().float() * vae.config.scaling_factor
-                    # c: the caption's text-encoder states, which the UNet reads.
-                    encoder_hidden_states = text_encoder(batch["input_ids"])[0]
+                # c: the caption's encoder states (autograd records them only if a weight learns).
+                encoder_hidden_states = text_encoder(batch["input_ids"])[0]
                 # ε ~ N(0, I): the noise to mix in.
                 noise = torch.randn_like(latents)
                 bsz, device = len(latents), latents.device
@@ -668,8 +669,7 @@ def preprocess(examples, args, augment, tokenizer, shape, epoch):
                 caption = ""
             captions.append(caption)
     batch = {name: values for name, values in batch.items() if len(values)}
-    length = tokenizer.model_max_length  # CLIP reads 77 tokens
-    tokens = tokenizer(captions, max_length=length, padding="max_length", truncation=True)
+    tokens = tokenizer(captions, padding="max_length", truncation=True)  # to CLIP's 77 tokens
     batch["input_ids"] = torch.tensor(tokens.input_ids)
     return batch
 

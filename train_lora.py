@@ -29,8 +29,7 @@ from accelerate.logging import get_logger
 from accelerate.utils import DataLoaderConfiguration, InitProcessGroupKwargs, ProjectConfiguration
 from accelerate.utils import set_seed
 from datasets.fingerprint import Hasher
-from diffusers import DDPMScheduler, DPMSolverMultistepScheduler
-from diffusers import StableDiffusionPipeline
+from diffusers import DDPMScheduler, DPMSolverMultistepScheduler, StableDiffusionPipeline
 from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
 from diffusers.optimization import get_scheduler
 from diffusers.training_utils import EMAModel, cast_training_params, compute_snr
@@ -94,9 +93,7 @@ def parse_args(argv=None):
         nargs="+",
         help="Drawn from fixed noise as it trains; default: none.",
     )
-    p.add_argument(
-        "--num_validation_images", type=int, default=4, help="Images per validation prompt."
-    )
+    p.add_argument("--num_validation_images", type=int, default=4, help="Images per prompt.")
     p.add_argument("--validation_epochs", type=int, default=1, help="Validate every N epochs.")
     p.add_argument(
         "--guidance_scale",
@@ -176,14 +173,8 @@ def parse_args(argv=None):
         help="Recompute activations in the backward pass: less memory, about 30% slower.",
     )
     p.add_argument("--rank", type=int, default=4, help="The rank r of each LoRA update B·A.")
-    p.add_argument(
-        "--lora_alpha", type=float, help="The update's scale is α/r; default: α = r, a scale of 1."
-    )
-    p.add_argument(
-        "--lora_target_modules",
-        default="to_k,to_q,to_v,to_out.0",
-        help="The UNet's linear layers that get a LoRA; default: attention's projections.",
-    )
+    p.add_argument("--lora_alpha", type=float, help="The update's scale is α/r; default α = r.")
+    p.add_argument("--lora_target_modules", default="to_k,to_q,to_v,to_out.0", help="UNet layers.")
     p.add_argument(
         "--train_text_encoder", action="store_true", help="A LoRA on CLIP's attention too."
     )
@@ -309,9 +300,7 @@ def parse_args(argv=None):
     refused = {
         "hub_token": "a token in a command lands in shell history; run `hf auth login`",
     }
-    ignored = {
-        "enable_xformers_memory_efficient_attention": "PyTorch's SDPA attention is used",
-    }
+    ignored = {"enable_xformers_memory_efficient_attention": "PyTorch's SDPA attention is used"}
     for flag, value in vars(args).items():
         if value and flag in refused:
             p.error(f"--{flag} is left out: {refused[flag]}")
@@ -379,7 +368,7 @@ def main(args):
     weight_dtype = dtypes.get(accelerator.mixed_precision, torch.float32)
     for frozen in (vae, text_encoder, model):
         frozen.requires_grad_(False).to(accelerator.device, dtype=weight_dtype)
-    # LoRA: A Gaussian, B zero (so W' = W at first), as the Diffusers example sets them up.
+    # LoRA: A Gaussian, B zero (so W' = W at first), as in the Diffusers example.
     r, alpha, targets = args.rank, args.lora_alpha, args.lora_target_modules.split(",")
     config = LoraConfig(r=r, lora_alpha=alpha, init_lora_weights="gaussian", target_modules=targets)
     with clear_error(f"--lora_target_modules {args.lora_target_modules}"):
@@ -392,9 +381,8 @@ def main(args):
     # A and B in fp32: fp16 gradients could not be unscaled, bf16 updates of 1e-4 would round away.
     cast_training_params(trained, dtype=torch.float32)
     lora_params = [p for m in trained for p in m.parameters() if p.requires_grad]
-    # Under bf16 the model computes with bf16 copies of A and B, as with its frozen weights: fp32
-    # ones would cost casts at every adapted layer (issue #31). The optimizer updates fp32 masters,
-    # which checkpoints and the final files hold. (DeepSpeed keeps such masters itself.)
+    # Under bf16 the model computes with bf16 copies of A and B (fp32 ones cost casts at every
+    # adapted layer) and the optimizer updates fp32 masters, as DeepSpeed does by itself.
     master_params = lora_params
     if weight_dtype == torch.bfloat16 and not plugin:
         master_params = [p.detach().clone() for p in lora_params]
@@ -411,11 +399,11 @@ def main(args):
     train_dataset = load_train_dataset(args, args.image_column)
     if args.instance_prompt is None and args.caption_column not in train_dataset.column_names:
         # kohya's layout: a caption file beside each image (0001.png, 0001.txt)
-        read = partial(read_caption, column=args.caption_column, extension=args.caption_extension)
+        read = partial(read_caption, args=args)
         way_out = "give --instance_prompt (one prompt for all) or a caption file beside each image"
         with clear_error(f"no column {args.caption_column!r} (--caption_column); {way_out}"):
             train_dataset = train_dataset.map(read, input_columns=args.image_column)
-    if args.max_train_samples is not None:  # a random subset, for a quick trial
+    if args.max_train_samples is not None:
         count = min(args.max_train_samples, len(train_dataset))
         train_dataset = train_dataset.shuffle(seed=args.seed).select(range(count))
     crop = transforms.CenterCrop if args.center_crop else transforms.RandomCrop
@@ -452,7 +440,7 @@ def main(args):
     # 5. Optimizer and LR schedule, over each process's share of the batches
     accumulation = args.gradient_accumulation_steps
     total_batch_size = args.train_batch_size * accelerator.num_processes * accumulation
-    if args.scale_lr:  # the Diffusers examples' rule: the rate grows with the batch
+    if args.scale_lr:
         args.learning_rate *= total_batch_size
     optimizer_class = torch.optim.AdamW
     if args.use_8bit_adam:
@@ -499,16 +487,14 @@ def main(args):
             saved = load_file(f"{input_dir}/pytorch_lora_weights.safetensors")
             for model, prefix in zip(models, ["unet.", "text_encoder."]):
                 layers = {k[len(prefix) :]: v for k, v in saved.items() if k.startswith(prefix)}
-                loaded = set_peft_model_state_dict(unwrap(model), layers)
-                # Its missing keys also list every frozen weight: only the LoRA's count.
-                missing = [k for k in loaded.missing_keys if "lora_" in k]
-                if loaded.unexpected_keys or missing:
+                if layers.keys() != get_peft_model_state_dict(unwrap(model)).keys():
                     raise ValueError(f"{input_dir} holds other LoRA layers than this run's")
+                set_peft_model_state_dict(unwrap(model), layers)
             models.clear()
 
     accelerator.register_save_state_pre_hook(save_model_hook)
     accelerator.register_load_state_pre_hook(load_model_hook)
-    # The fp32 masters (in fp32: the model's A and B themselves) and the EMA are part of the state.
+    # The masters (in fp32 the model's A and B themselves) and the EMA go into each checkpoint.
     accelerator.register_for_checkpointing(torch.nn.ParameterList(master_params))
     if ema_model is not None:
         accelerator.register_for_checkpointing(ema_model)
@@ -651,9 +637,9 @@ def load_train_dataset(args, *columns):
     return dataset.add_column("row", range(len(dataset)))
 
 
-def read_caption(item, column, extension):
-    path = os.path.splitext(item["path"])[0] + extension  # utf-8-sig: a Windows editor's BOM
-    return {column: Path(path).read_text(encoding="utf-8-sig").strip()}
+def read_caption(item, args):
+    path = os.path.splitext(item["path"])[0] + args.caption_extension  # utf-8-sig: a Windows BOM
+    return {args.caption_column: Path(path).read_text(encoding="utf-8-sig").strip()}
 
 
 def open_image(item):
@@ -760,7 +746,7 @@ def log_validation(accelerator, args, pipeline, ema_model, global_step, lora_par
     n, images = args.num_validation_images, []
     for scale in (0, 1):
         kwargs = dict(num_images_per_prompt=n, cross_attention_kwargs={"scale": scale})
-        images.append(generate(accelerator, args, pipeline, **kwargs).split(n))  # n a prompt
+        images.append(generate(accelerator, args, pipeline, **kwargs).split(n))
     if ema_model is not None:
         ema_model.restore(lora_params)
     unet.train()
@@ -769,7 +755,7 @@ def log_validation(accelerator, args, pipeline, ema_model, global_step, lora_par
 
 
 def to_masters(lora_params, master_params, grads, *hook_args):
-    """Before an optimizer step: the bf16 copies' gradients, into the fp32 masters'."""
+    """Before a step: the bf16 copies' gradients into the fp32 masters'."""
     torch._foreach_copy_(grads, [p.grad for p in lora_params])
     for master, grad in zip(master_params, grads):
         master.grad = grad
@@ -777,7 +763,7 @@ def to_masters(lora_params, master_params, grads, *hook_args):
 
 @torch.no_grad()
 def to_copies(lora_params, master_params, *hook_args):
-    """After it: the updated masters, into the bf16 copies, whose gradients start anew."""
+    """After it: the masters into the copies, whose gradients start anew."""
     torch._foreach_copy_(lora_params, master_params)
     for p in lora_params:
         p.grad = None
@@ -798,20 +784,20 @@ def generate(accelerator, args, pipeline, **kwargs):
         ).images.float()
 
 
-def save_lora(output_dir, unet, text_encoder=None):
-    """A and B under peft's names (diffusers' older ones cover attention only: with wider targets
-    it would load a third of the layers), with each adapter's config, else loaders take α = r."""
-    config = {"unet_lora_adapter_metadata": unet.peft_config["default"].to_dict()}
-    if text_encoder is not None:
-        config["text_encoder_lora_layers"] = get_peft_model_state_dict(text_encoder)
-        config["text_encoder_lora_adapter_metadata"] = text_encoder.peft_config["default"].to_dict()
-    layers = get_peft_model_state_dict(unet)
-    StableDiffusionPipeline.save_lora_weights(output_dir, unet_lora_layers=layers, **config)
+def save_lora(output_dir, *models):
+    """The UNet's A and B (then the text encoder's, if it learns) under peft's names, each model's
+    config beside them, else loaders take α = r. (diffusers' older names cover attention only: with
+    wider targets diffusers would load a third of the layers.)"""
+    saved = {}
+    for name, model in zip(["unet", "text_encoder"], models):
+        saved[f"{name}_lora_layers"] = get_peft_model_state_dict(model)
+        saved[f"{name}_lora_adapter_metadata"] = model.peft_config["default"].to_dict()
+    StableDiffusionPipeline.save_lora_weights(output_dir, **saved)
 
 
 def save_kohya(args):
-    """The file just saved, in kohya's format (ComfyUI, A1111/Forge and kohya load it). diffusers'
-    converter writes SDXL's lora_te1_ and α = r; transformers 5's CLIP lacks text_model."""
+    """The file just saved, in kohya's format. diffusers' converter writes SDXL's lora_te1_ and
+    α = r; transformers 5's CLIP lacks the text_model level."""
     layers = load_file(f"{args.output_dir}/pytorch_lora_weights.safetensors")
     for k in [k for k in layers if k.startswith("text_encoder.")]:
         layers["text_encoder.text_model." + k[13:].removeprefix("text_model.")] = layers.pop(k)

@@ -51,9 +51,7 @@ def parse_args(argv=None):
     )
     p.add_argument("--revision", help="The model's Git revision on the Hub (branch, tag, commit).")
     p.add_argument("--variant", help='Load the weight files of this variant, e.g. "fp16".')
-    p.add_argument(
-        "--non_ema_revision", help="Left out: the UNet from another revision than the rest."
-    )
+    p.add_argument("--non_ema_revision", help="Left out: use --revision.")
     source = p.add_mutually_exclusive_group(required=True)  # the images: one of the two
     source.add_argument(
         "--dataset_name",
@@ -214,9 +212,7 @@ def parse_args(argv=None):
         help="Keep an exponential moving average of the weights, and save and sample with it.",
     )
     p.add_argument("--offload_ema", action="store_true", help="Ignored: memory only.")
-    p.add_argument(
-        "--foreach_ema", action="store_true", help="Update the EMA with multi-tensor ops: faster."
-    )
+    p.add_argument("--foreach_ema", action="store_true", help="Multi-tensor EMA updates.")
     p.add_argument(
         "--report_to",
         default="tensorboard",
@@ -226,7 +222,7 @@ def parse_args(argv=None):
         "--logging_dir", default="logs", help="The trackers' folder, inside --output_dir."
     )
     p.add_argument(
-        "--tracker_project_name", default="text2image-fine-tune", help="The trackers' project name."
+        "--tracker_project_name", default="text2image-fine-tune", help="Trackers' project."
     )
     p.add_argument(
         "--mixed_precision",
@@ -261,18 +257,9 @@ def parse_args(argv=None):
         default=0.0,
         help="Noise shared by a channel: dark, light images.",
     )
-    p.add_argument(
-        "--input_perturbation",
-        type=float,
-        default=0.0,
-        help="Input perturbation γ (0.1 usual); 0: off.",
-    )
-    p.add_argument(
-        "--dream_training", action="store_true", help="Left out: it changes the objective."
-    )
-    p.add_argument(
-        "--dream_detail_preservation", type=float, help="Used only by --dream_training (left out)."
-    )
+    p.add_argument("--input_perturbation", type=float, default=0.0, help="γ (0.1 usual); 0: off.")
+    p.add_argument("--dream_training", action="store_true", help="Left out: a new objective.")
+    p.add_argument("--dream_detail_preservation", type=float, help="Only for --dream_training.")
     p.add_argument(
         "--checkpointing_steps",
         type=int,
@@ -398,11 +385,11 @@ def main(args):
     train_dataset = load_train_dataset(args, args.image_column)
     if args.instance_prompt is None and args.caption_column not in train_dataset.column_names:
         # kohya's layout: a caption file beside each image (0001.png, 0001.txt)
-        read = partial(read_caption, column=args.caption_column, extension=args.caption_extension)
+        read = partial(read_caption, args=args)
         way_out = "give --instance_prompt (one prompt for all) or a caption file beside each image"
         with clear_error(f"no column {args.caption_column!r} (--caption_column); {way_out}"):
             train_dataset = train_dataset.map(read, input_columns=args.image_column)
-    if args.max_train_samples is not None:  # a random subset, for a quick trial
+    if args.max_train_samples is not None:
         count = min(args.max_train_samples, len(train_dataset))
         train_dataset = train_dataset.shuffle(seed=args.seed).select(range(count))
     crop = transforms.CenterCrop if args.center_crop else transforms.RandomCrop
@@ -439,7 +426,7 @@ def main(args):
     # 5. Optimizer and LR schedule, over each process's share of the batches
     accumulation = args.gradient_accumulation_steps
     total_batch_size = args.train_batch_size * accelerator.num_processes * accumulation
-    if args.scale_lr:  # the Diffusers examples' rule: the rate grows with the batch
+    if args.scale_lr:
         args.learning_rate *= total_batch_size
     optimizer_class = torch.optim.AdamW
     if args.use_8bit_adam:
@@ -634,9 +621,9 @@ def load_train_dataset(args, *columns):
     return dataset.add_column("row", range(len(dataset)))
 
 
-def read_caption(item, column, extension):
-    path = os.path.splitext(item["path"])[0] + extension  # utf-8-sig: a Windows editor's BOM
-    return {column: Path(path).read_text(encoding="utf-8-sig").strip()}
+def read_caption(item, args):
+    path = os.path.splitext(item["path"])[0] + args.caption_extension  # utf-8-sig: a Windows BOM
+    return {args.caption_column: Path(path).read_text(encoding="utf-8-sig").strip()}
 
 
 def open_image(item):

@@ -120,6 +120,10 @@ def run_in_process(monkeypatch, capsys):
                 module.main(module.parse_args([str(a) for a in args]))
         finally:
             AcceleratorState._reset_state(reset_partial_state=True)  # the next run builds its own
+            # A refused ZeRO-3 launch has told transformers to shard every model it loads from now on.
+            from transformers.integrations import unset_hf_deepspeed_config
+
+            unset_hf_deepspeed_config()
         assert stop.value.code not in (0, None)
         capsys.readouterr()
         return str(stop.value.code)

@@ -70,8 +70,7 @@ def captions_of(folder, tiny_sd_path, *flags, epoch=0):
     args = script.parse_args(["--pretrained_model_name_or_path", tiny_sd_path, "--train_data_dir", str(folder), *flags])
     dataset = script.load_train_dataset(args, args.image_column)
     if args.instance_prompt is None and args.caption_column not in dataset.column_names:
-        dataset = dataset.map(script.read_caption, input_columns="image",
-                              fn_kwargs=dict(column=args.caption_column, extension=args.caption_extension))
+        dataset = dataset.map(script.read_caption, input_columns="image", fn_kwargs=dict(args=args))
     tokenizer = CLIPTokenizer.from_pretrained(tiny_sd_path, subfolder="tokenizer")
     batch = script.preprocess(dataset[:12], args, lambda image: torch.zeros(1), tokenizer, None, epoch)
     return tokenizer.batch_decode(batch["input_ids"], skip_special_tokens=True)

@@ -281,7 +281,7 @@ def parse_args(argv=None):
     p.add_argument(
         "--push_to_hub",
         action="store_true",
-        help=("Upload the trained model to the Hugging Face Hub (log in first: `hf auth login`)."),
+        help="Upload the trained model to the Hugging Face Hub (log in first: `hf auth login`).",
     )
     p.add_argument(
         "--hub_model_id",

@@ -206,6 +206,7 @@ class Row:
     flags: str  # a FLAG_SETS key
     skip: str = ""  # why the row is not run
     result: dict = field(default_factory=dict)
+    step_s: list = field(default_factory=list)  # the median step of each --repeat
 
     @property
     def id(self):
@@ -772,6 +773,13 @@ def parse_args(argv=None):
     p.add_argument("--dit_workers", type=int, help="DiT rows' dataloader workers (4; --tiny 0).")
     p.add_argument("--peak_tflops", type=float, help="The GPU's dense bf16 peak, for MFU.")
     p.add_argument("--timeout", type=int, default=600, help="Seconds a row may take.")
+    p.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="Run every row this many times, the rows in turn each time (ours and the reference "
+        "alternate), and report the median of their medians: for a noisy, shared CPU.",
+    )
     p.add_argument("--dry_run", action="store_true", help="Print the row ids and commands.")
     p.add_argument("--probe_dit", help=argparse.SUPPRESS)  # the DiT batch search's own process
     p.add_argument("--dit_resolution", type=int, help=argparse.SUPPRESS)
@@ -821,7 +829,9 @@ def main():
     pipeline = pipeline_folder(args)
     sd_data = photo_folder(args.work_dir, args.resolution, args.rows_of_data)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    for row in rows:
+    if args.repeat > 1:
+        notes.append(f"every row ran {args.repeat} times, in turn: the median of the runs' medians")
+    for row in [row for _ in range(args.repeat) for row in rows]:  # ours, reference, ours, ...
         if row.model.startswith("dit") and not row.batch:  # found once per model
             known = next((r.batch for r in rows if r.model == row.model and r.batch), None)
             if known:
@@ -849,6 +859,8 @@ def main():
                     other.batch = row.batch
             run_row(args, row, pipeline, dit_data(args, row.batch))
         if "step_s" in row.result:
+            row.step_s.append(row.result["step_s"])
+            row.result["step_s"] = statistics.median(row.step_s)
             row.result["flops"] = step_flops(args, row, pipeline)
         outcome = row.result.get("error") or f"{1 / row.result['step_s']:.3f} it/s"
         log(f"{row.id}: {outcome} ({row.result['seconds']:.0f} s; log {row.result['log']})")

@@ -174,7 +174,11 @@ def parse_args(argv=None):
     )
     p.add_argument("--rank", type=int, default=4, help="The rank r of each LoRA update B·A.")
     p.add_argument("--lora_alpha", type=float, help="The update's scale is α/r; default α = r.")
-    p.add_argument("--lora_target_modules", default="to_k,to_q,to_v,to_out.0", help="UNet layers.")
+    p.add_argument(
+        "--lora_target_modules",
+        default="to_k,to_q,to_v,to_out.0",
+        help="The UNet's linear layers that get a LoRA; default: attention's projections.",
+    )
     p.add_argument(
         "--train_text_encoder", action="store_true", help="A LoRA on CLIP's attention too."
     )

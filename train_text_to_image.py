@@ -257,7 +257,9 @@ def parse_args(argv=None):
         default=0.0,
         help="Noise shared by a channel: dark, light images.",
     )
-    p.add_argument("--input_perturbation", type=float, default=0.0, help="γ (0.1 usual); 0: off.")
+    p.add_argument(
+        "--input_perturbation", type=float, default=0.0, help="Input perturbation γ (0.1 usual)."
+    )
     p.add_argument("--dream_training", action="store_true", help="Left out: a new objective.")
     p.add_argument("--dream_detail_preservation", type=float, help="Only for --dream_training.")
     p.add_argument(

@@ -44,257 +44,78 @@ logger = get_logger(__name__)
 # 1. Arguments: the Diffusers example's flags and defaults, so its commands run unchanged
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description="Fine-tune Stable Diffusion 1.x's UNet.")
-    p.add_argument(
-        "--pretrained_model_name_or_path",
-        required=True,
-        help="The SD 1.x pipeline to start from: a Hub id or a folder.",
-    )
+    p.add_argument("--pretrained_model_name_or_path", required=True, help="SD 1.x hub id or folder")
     p.add_argument("--revision", help="The model's Git revision on the Hub (branch, tag, commit).")
     p.add_argument("--variant", help='Load the weight files of this variant, e.g. "fp16".')
     p.add_argument("--non_ema_revision", help="Left out: use --revision.")
     source = p.add_mutually_exclusive_group(required=True)  # the images: one of the two
-    source.add_argument(
-        "--dataset_name",
-        help="A dataset on the Hugging Face Hub, or a local folder `datasets` can load.",
-    )
+    source.add_argument("--dataset_name", help="A Hub dataset, or a folder `datasets` loads.")
     p.add_argument("--dataset_config_name", help="The dataset's configuration, if it has several.")
     source.add_argument("--train_data_dir", help="A folder of images (an imagefolder).")
-    p.add_argument(
-        "--image_column", default="image", help="The dataset column that holds the images."
-    )
-    p.add_argument(
-        "--caption_column",
-        default="text",
-        help="The column of captions (a list: one drawn each time).",
-    )
-    p.add_argument(
-        "--caption_extension",
-        default=".txt",
-        help="Without that column: caption files beside the images.",
-    )
+    p.add_argument("--image_column", default="image", help="The dataset's image column.")
+    p.add_argument("--caption_column", default="text", help="The captions' column (or lists).")
+    p.add_argument("--caption_extension", default=".txt", help="Caption files beside images.")
     p.add_argument("--instance_prompt", help="One caption for every image, over any other.")
-    p.add_argument(
-        "--caption_dropout_rate", type=float, default=0.0, help="Share of captions left empty (∅)."
-    )
-    p.add_argument(
-        "--max_train_samples",
-        type=int,
-        help="Train on this many images, drawn at random; default: all.",
-    )
-    p.add_argument(
-        "--cache_dir",
-        help="Where downloaded models and datasets are stored (default: the Hugging Face cache).",
-    )
-    p.add_argument(
-        "--validation_prompts",
-        "--validation_prompt",
-        nargs="+",
-        help="Drawn from fixed noise as it trains; default: none.",
-    )
+    p.add_argument("--caption_dropout_rate", type=float, default=0.0, help="Empty-caption share.")
+    p.add_argument("--max_train_samples", type=int, help="Train on N random images.")
+    p.add_argument("--cache_dir", help="Where downloads are cached (default: the HF cache).")
+    p.add_argument("--validation_prompts", "--validation_prompt", nargs="+", help="Sample prompts.")
     p.add_argument("--validation_epochs", type=int, default=5, help="Validate every N epochs.")
-    p.add_argument(
-        "--guidance_scale",
-        type=float,
-        default=7.5,
-        help="Classifier-free guidance when validating.",
-    )
+    p.add_argument("--guidance_scale", type=float, default=7.5, help="Validation's guidance scale.")
     p.add_argument("--num_inference_steps", type=int, default=20, help="Sampler steps to validate.")
-    p.add_argument(
-        "--output_dir",
-        default="sd-model-finetuned",
-        help="Where checkpoints, samples, logs and the trained model are written.",
-    )
-    p.add_argument(
-        "--seed",
-        type=int,
-        default=0,
-        help="Seeds the initial weights, the data order, the augmentations and the noise.",
-    )
-    p.add_argument(
-        "--resolution",
-        type=int,
-        default=512,
-        help="Images are resized and cropped to this many pixels a side.",
-    )
+    p.add_argument("--output_dir", default="sd-model-finetuned", help="Where outputs go.")
+    p.add_argument("--seed", type=int, default=0, help="Seeds weights, data order, noise.")
+    p.add_argument("--resolution", type=int, default=512, help="Image side after resize and crop.")
     p.add_argument(
         "--image_interpolation_mode",
         default="lanczos",
         choices=[mode.name.lower() for mode in transforms.InterpolationMode],
         help="The filter that resizes images.",
     )
-    p.add_argument(
-        "--center_crop",
-        action="store_true",
-        help="Crop the centre of each image; without it the crop is random.",
-    )
-    p.add_argument(
-        "--random_flip",
-        action="store_true",
-        help="Flip half the images left-right, drawn anew each epoch.",
-    )
-    p.add_argument(
-        "--cache_latents",
-        action="store_true",
-        help="Encode each image with the VAE once, before training.",
-    )
-    p.add_argument(
-        "--train_batch_size", type=int, default=16, help="Images per process per forward pass."
-    )
-    p.add_argument(
-        "--dataloader_num_workers",
-        type=int,
-        default=0,
-        help="Processes that load and augment images; 0 loads them in the main process "
-        "(best with --cache_latents; decoding images beside a GPU's steps, use 4).",
-    )
-    p.add_argument(
-        "--num_train_epochs",
-        type=int,
-        default=100,
-        help="Passes over the data, if no --max_train_steps.",
-    )
-    p.add_argument(
-        "--max_train_steps",
-        type=int,
-        help="Optimizer steps to train; overrides the epoch count if given.",
-    )
-    p.add_argument(
-        "--gradient_accumulation_steps",
-        type=int,
-        default=1,
-        help="Forward passes whose gradients add up before each optimizer step.",
-    )
-    p.add_argument(
-        "--gradient_checkpointing",
-        action="store_true",
-        help="Recompute activations in the backward pass: less memory, about 30% slower.",
-    )
-    p.add_argument(
-        "--learning_rate", type=float, default=1e-4, help="AdamW's learning rate (after warm-up)."
-    )
-    p.add_argument(
-        "--scale_lr", action="store_true", help="Multiply --learning_rate by the total batch size."
-    )
-    p.add_argument(
-        "--lr_scheduler",
-        default="constant",
-        help="The learning-rate schedule: constant, linear, cosine, cosine_with_restarts, "
-        "polynomial, constant_with_warmup.",
-    )
-    p.add_argument(
-        "--lr_warmup_steps",
-        type=int,
-        default=500,
-        help="Optimizer steps over which the learning rate rises linearly from 0.",
-    )
+    p.add_argument("--center_crop", action="store_true", help="Center crop; default: random.")
+    p.add_argument("--random_flip", action="store_true", help="Flip half the images left-right.")
+    p.add_argument("--cache_latents", action="store_true", help="Encode each image once, up front.")
+    p.add_argument("--train_batch_size", type=int, default=16, help="Images per process per pass.")
+    p.add_argument("--dataloader_num_workers", type=int, default=0, help="Loading processes.")
+    p.add_argument("--num_train_epochs", type=int, default=100, help="Passes over the data.")
+    p.add_argument("--max_train_steps", type=int, help="Steps to train; overrides the epochs.")
+    p.add_argument("--gradient_accumulation_steps", type=int, default=1, help="Batches per step.")
+    p.add_argument("--gradient_checkpointing", action="store_true", help="Less memory, slower.")
+    p.add_argument("--learning_rate", type=float, default=1e-4, help="AdamW's LR after warm-up.")
+    p.add_argument("--scale_lr", action="store_true", help="LR × total batch size.")
+    p.add_argument("--lr_scheduler", default="constant", help="constant, linear, cosine, ...")
+    p.add_argument("--lr_warmup_steps", type=int, default=500, help="Steps of linear LR warm-up.")
     p.add_argument("--adam_beta1", type=float, default=0.9, help="AdamW's β1 (momentum).")
     p.add_argument("--adam_beta2", type=float, default=0.999, help="AdamW's β2 (second moment).")
-    p.add_argument(
-        "--adam_weight_decay", type=float, default=1e-2, help="AdamW's decoupled weight decay."
-    )
-    p.add_argument(
-        "--adam_epsilon", type=float, default=1e-08, help="AdamW's ε, added to the denominator."
-    )
-    p.add_argument(
-        "--use_8bit_adam",
-        action="store_true",
-        help="bitsandbytes' 8-bit AdamW: optimizer states in a quarter of the memory (GPU only).",
-    )
-    p.add_argument(
-        "--max_grad_norm",
-        type=float,
-        default=1.0,
-        help="Gradients are clipped to this global norm.",
-    )
-    p.add_argument(
-        "--use_ema",
-        action="store_true",
-        help="Keep an exponential moving average of the weights, and save and sample with it.",
-    )
+    p.add_argument("--adam_weight_decay", type=float, default=1e-2, help="AdamW's weight decay.")
+    p.add_argument("--adam_epsilon", type=float, default=1e-08, help="AdamW's ε.")
+    p.add_argument("--use_8bit_adam", action="store_true", help="bitsandbytes' 8-bit AdamW (GPU).")
+    p.add_argument("--max_grad_norm", type=float, default=1.0, help="Clip gradients to this norm.")
+    p.add_argument("--use_ema", action="store_true", help="Save and sample an EMA of the weights.")
     p.add_argument("--offload_ema", action="store_true", help="Ignored: memory only.")
     p.add_argument("--foreach_ema", action="store_true", help="Multi-tensor EMA updates.")
+    p.add_argument("--report_to", default="tensorboard", help="tensorboard, wandb or none.")
+    p.add_argument("--logging_dir", default="logs", help="Trackers' folder, in --output_dir.")
+    p.add_argument("--tracker_project_name", default="text2image-fine-tune", help="Project name.")
+    p.add_argument("--mixed_precision", choices=["no", "fp16", "bf16"], help="fp16/bf16 autocast.")
+    p.add_argument("--allow_tf32", action="store_true", help="TF32 matmuls on Ampere+: faster.")
     p.add_argument(
-        "--report_to",
-        default="tensorboard",
-        help="Where metrics and samples go: tensorboard, wandb, or none.",
+        "--enable_xformers_memory_efficient_attention", action="store_true", help="Ignored: SDPA."
     )
-    p.add_argument(
-        "--logging_dir", default="logs", help="The trackers' folder, inside --output_dir."
-    )
-    p.add_argument(
-        "--tracker_project_name", default="text2image-fine-tune", help="Trackers' project."
-    )
-    p.add_argument(
-        "--mixed_precision",
-        choices=["no", "fp16", "bf16"],
-        help="Compute in fp16 or bf16 (weights stay fp32); default: accelerate's config.",
-    )
-    p.add_argument(
-        "--allow_tf32",
-        action="store_true",
-        help="Let fp32 matrix products use TF32 on Ampere and newer GPUs: "
-        "faster, a little less exact.",
-    )
-    p.add_argument(
-        "--enable_xformers_memory_efficient_attention",
-        action="store_true",
-        help="Ignored: PyTorch's SDPA is used.",
-    )
-    p.add_argument(
-        "--prediction_type",
-        choices=["epsilon", "v_prediction"],
-        help="The target: ε or v; default: the base model's.",
-    )
-    p.add_argument(
-        "--snr_gamma",
-        type=float,
-        help="Min-SNR-γ loss weighting (Hang et al. 2023); "
-        "5.0 is the paper's choice. Default: off.",
-    )
-    p.add_argument(
-        "--noise_offset",
-        type=float,
-        default=0.0,
-        help="Noise shared by a channel: dark, light images.",
-    )
-    p.add_argument(
-        "--input_perturbation", type=float, default=0.0, help="Input perturbation γ (0.1 usual)."
-    )
+    p.add_argument("--prediction_type", choices=["epsilon", "v_prediction"], help="Target: ε or v.")
+    p.add_argument("--snr_gamma", type=float, help="Min-SNR-γ's γ (the paper: 5.0); default: off.")
+    p.add_argument("--noise_offset", type=float, default=0.0, help="Per-channel noise: dark/light.")
+    p.add_argument("--input_perturbation", type=float, default=0.0, help="Input perturbation γ.")
     p.add_argument("--dream_training", action="store_true", help="Left out: a new objective.")
     p.add_argument("--dream_detail_preservation", type=float, help="Only for --dream_training.")
-    p.add_argument(
-        "--checkpointing_steps",
-        type=int,
-        default=500,
-        help="Save a resumable checkpoint every this many optimizer steps.",
-    )
-    p.add_argument(
-        "--checkpoints_total_limit",
-        type=int,
-        help="Keep at most this many checkpoints, deleting the oldest. Default: all.",
-    )
-    p.add_argument(
-        "--resume_from_checkpoint",
-        help='Resume from checkpoint-N in --output_dir, or from the newest with "latest".',
-    )
-    p.add_argument(
-        "--push_to_hub",
-        action="store_true",
-        help="Upload the trained model to the Hugging Face Hub (log in first: `hf auth login`).",
-    )
-    p.add_argument(
-        "--hub_model_id", help="The Hub repository to upload to; default: the name of --output_dir."
-    )
-    p.add_argument(
-        "--hub_private_repo", action="store_true", help="Create the Hub repository as private."
-    )
+    p.add_argument("--checkpointing_steps", type=int, default=500, help="Checkpoint every N steps.")
+    p.add_argument("--checkpoints_total_limit", type=int, help="Keep the newest N; default: all.")
+    p.add_argument("--resume_from_checkpoint", help='checkpoint-N in --output_dir, or "latest".')
+    p.add_argument("--push_to_hub", action="store_true", help="Upload to the Hub; log in first.")
+    p.add_argument("--hub_model_id", help="The Hub repo; default: --output_dir's name.")
+    p.add_argument("--hub_private_repo", action="store_true", help="Make the Hub repo private.")
     p.add_argument("--hub_token", help="Left out: use `hf auth login` or HF_TOKEN.")
-    p.add_argument(
-        "--local_rank",
-        type=int,
-        default=-1,
-        help="Accepted for legacy launchers that pass it; accelerate sets the rank itself.",
-    )
+    p.add_argument("--local_rank", type=int, default=-1, help="Passed by old launchers; unused.")
     args = p.parse_args(argv)
     if args.cache_latents and not args.center_crop:
         p.error("--cache_latents needs --center_crop (a random crop differs each epoch)")
@@ -333,7 +154,7 @@ def main(args):
         # The others wait up to 2 h while the main process validates.
         kwargs_handlers=[InitProcessGroupKwargs(backend=gloo, timeout=timedelta(hours=2))],
     )
-    # The model itself, without its DDP, DeepSpeed or torch.compile wrapper.
+    # The model without its DDP, DeepSpeed or torch.compile wrapper.
     unwrap = partial(accelerator.unwrap_model, keep_torch_compile=False)
     if accelerator.mixed_precision == "fp16" and accelerator.device.type == "cpu":
         raise SystemExit("error: --mixed_precision fp16 needs a GPU; on a CPU use bf16 or no")
@@ -341,8 +162,6 @@ def main(args):
     if accelerator.distributed_type == DistributedType.FSDP or (plugin and plugin.zero_stage == 3):
         raise SystemExit("error: launch with DDP or DeepSpeed ZeRO-1/2, not FSDP or ZeRO-3")
     logging.basicConfig(level=logging.INFO)
-    if not accelerator.is_main_process:
-        datasets.utils.logging.set_verbosity_error()
     set_seed(args.seed)  # the same initial weights on every process
     if args.allow_tf32:
         torch.backends.cuda.matmul.allow_tf32 = True
@@ -454,7 +273,7 @@ def main(args):
     model, optimizer, train_dataloader, lr_scheduler = accelerator.prepare(
         model, optimizer, train_dataloader, lr_scheduler
     )
-    # Each process draws its own ε and t (the Diffusers examples draw the same on every GPU).
+    # Each process draws its own ε and t (the Diffusers examples: the same on every GPU).
     set_seed(args.seed, device_specific=True)
 
     # 6. Checkpoint hooks and resume. save_state stores the optimizer, LR schedule and every
@@ -489,7 +308,7 @@ def main(args):
     progress_bar = tqdm(
         range(max_train_steps), initial=global_step, disable=not accelerator.is_local_main_process
     )
-    # The loss is summed on the device and read every 10 steps: reading it makes the CPU wait.
+    # The loss is summed on the device, read every 10 steps: a read makes the CPU wait.
     train_loss, logged_step = 0.0, global_step
     for epoch in range(first_epoch, num_epochs):
         model.train()
@@ -691,7 +510,7 @@ def list_checkpoints(output_dir):
 
 def save_checkpoint(accelerator, args, global_step):
     """Keep at most --checkpoints_total_limit, then write tmp-checkpoint-N and rename it: a crash
-    while saving leaves no half-written checkpoint-N for `latest` to pick."""
+    leaves no half-written checkpoint-N for `latest`."""
     path = f"{args.output_dir}/checkpoint-{global_step}"
     tmp = f"{args.output_dir}/tmp-checkpoint-{global_step}"
     if accelerator.is_main_process and args.checkpoints_total_limit is not None:

@@ -41,252 +41,63 @@ logger = get_logger(__name__)
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description="Train a DDPM (UNet2DModel) from scratch.")
     source = p.add_mutually_exclusive_group(required=True)  # the images: one of the two
-    source.add_argument(
-        "--dataset_name",
-        help="A dataset on the Hugging Face Hub, or a local folder `datasets` can load.",
-    )
+    source.add_argument("--dataset_name", help="A Hub dataset, or a folder `datasets` loads.")
     p.add_argument("--dataset_config_name", help="The dataset's configuration, if it has several.")
     source.add_argument("--train_data_dir", help="A folder of images (an imagefolder).")
-    p.add_argument(
-        "--image_column", default="image", help="The dataset column that holds the images."
-    )
-    p.add_argument(
-        "--cache_dir",
-        help="Where downloaded models and datasets are stored (default: the Hugging Face cache).",
-    )
-    p.add_argument(
-        "--preserve_input_precision",
-        action="store_true",
-        help="Left out: images load as 8-bit RGB.",
-    )
-    p.add_argument(
-        "--model_config_name_or_path",
-        help="A folder with a UNet2DModel config.json; default: the Diffusers example's UNet.",
-    )
-    p.add_argument(
-        "--output_dir",
-        default="ddpm-model-64",
-        help="Where checkpoints, samples, logs and the trained model are written.",
-    )
-    p.add_argument(
-        "--overwrite_output_dir",
-        action="store_true",
-        help="Accepted for the Diffusers example's commands, which also ignore it.",
-    )
-    p.add_argument(
-        "--seed",
-        type=int,
-        default=0,
-        help="Seeds the initial weights, the data order, the augmentations and the noise.",
-    )
-    p.add_argument(
-        "--resolution",
-        type=int,
-        default=64,
-        help="Images are resized and cropped to this many pixels a side.",
-    )
-    p.add_argument(
-        "--center_crop",
-        action="store_true",
-        help="Crop the centre of each image; without it the crop is random.",
-    )
-    p.add_argument(
-        "--random_flip",
-        action="store_true",
-        help="Flip half the images left-right, drawn anew each epoch.",
-    )
-    p.add_argument(
-        "--train_batch_size",
-        type=int,
-        default=16,
-        help="Images per process per forward pass.",
-    )
-    p.add_argument(
-        "--eval_batch_size",
-        type=int,
-        default=16,
-        help="Images sampled at each validation, shown as one grid.",
-    )
-    p.add_argument(
-        "--dataloader_num_workers",
-        type=int,
-        default=0,
-        help="Processes that load and augment images; 0 loads them in the main process.",
-    )
+    p.add_argument("--image_column", default="image", help="The dataset's image column.")
+    p.add_argument("--cache_dir", help="Where downloads are cached (default: the HF cache).")
+    p.add_argument("--preserve_input_precision", action="store_true", help="Left out: 8-bit RGB.")
+    p.add_argument("--model_config_name_or_path", help="UNet2DModel config; default: example's.")
+    p.add_argument("--output_dir", default="ddpm-model-64", help="Where outputs go.")
+    p.add_argument("--overwrite_output_dir", action="store_true", help="Accepted and ignored.")
+    p.add_argument("--seed", type=int, default=0, help="Seeds weights, data order, noise.")
+    p.add_argument("--resolution", type=int, default=64, help="Image side after resize and crop.")
+    p.add_argument("--center_crop", action="store_true", help="Center crop; default: random.")
+    p.add_argument("--random_flip", action="store_true", help="Flip half the images left-right.")
+    p.add_argument("--train_batch_size", type=int, default=16, help="Images per process per pass.")
+    p.add_argument("--eval_batch_size", type=int, default=16, help="Images per validation grid.")
+    p.add_argument("--dataloader_num_workers", type=int, default=0, help="Loading processes.")
     p.add_argument("--num_epochs", type=int, default=100, help="Passes over the dataset to train.")
-    p.add_argument(
-        "--max_train_steps",
-        type=int,
-        help="Optimizer steps to train; overrides the epoch count if given.",
-    )
-    p.add_argument(
-        "--save_images_epochs",
-        type=int,
-        default=10,
-        help="Sample a grid of validation images every this many epochs (and after the last).",
-    )
-    p.add_argument(
-        "--save_model_epochs",
-        type=int,
-        default=10,
-        help="Save the pipeline to --output_dir every this many epochs (and after the last).",
-    )
-    p.add_argument(
-        "--gradient_accumulation_steps",
-        type=int,
-        default=1,
-        help="Forward passes whose gradients add up before each optimizer step.",
-    )
-    p.add_argument(
-        "--gradient_checkpointing",
-        action="store_true",
-        help="Recompute activations in the backward pass: less memory, about 30% slower.",
-    )
-    p.add_argument(
-        "--learning_rate",
-        type=float,
-        default=1e-4,
-        help="AdamW's learning rate (after warm-up).",
-    )
-    p.add_argument(
-        "--lr_scheduler",
-        default="cosine",
-        help=(
-            "The learning-rate schedule: constant, linear, cosine, cosine_with_restarts, "
-            "polynomial, constant_with_warmup."
-        ),
-    )
-    p.add_argument(
-        "--lr_warmup_steps",
-        type=int,
-        default=500,
-        help="Optimizer steps over which the learning rate rises linearly from 0.",
-    )
+    p.add_argument("--max_train_steps", type=int, help="Steps to train; overrides the epochs.")
+    p.add_argument("--save_images_epochs", type=int, default=10, help="Validate every N epochs.")
+    p.add_argument("--save_model_epochs", type=int, default=10, help="Save the pipeline every N.")
+    p.add_argument("--gradient_accumulation_steps", type=int, default=1, help="Batches per step.")
+    p.add_argument("--gradient_checkpointing", action="store_true", help="Less memory, slower.")
+    p.add_argument("--learning_rate", type=float, default=1e-4, help="AdamW's LR after warm-up.")
+    p.add_argument("--lr_scheduler", default="cosine", help="constant, linear, cosine, ...")
+    p.add_argument("--lr_warmup_steps", type=int, default=500, help="Steps of linear LR warm-up.")
     p.add_argument("--adam_beta1", type=float, default=0.95, help="AdamW's β1 (momentum).")
     p.add_argument("--adam_beta2", type=float, default=0.999, help="AdamW's β2 (second moment).")
+    p.add_argument("--adam_weight_decay", type=float, default=1e-6, help="AdamW's weight decay.")
+    p.add_argument("--adam_epsilon", type=float, default=1e-08, help="AdamW's ε.")
+    p.add_argument("--use_8bit_adam", action="store_true", help="bitsandbytes' 8-bit AdamW (GPU).")
+    p.add_argument("--max_grad_norm", type=float, default=1.0, help="Clip gradients to this norm.")
+    p.add_argument("--use_ema", action="store_true", help="Save and sample an EMA of the weights.")
+    p.add_argument("--ema_inv_gamma", type=float, default=1.0, help="EMA warm-up's γ.")
+    p.add_argument("--ema_power", type=float, default=3 / 4, help="EMA warm-up power.")
+    p.add_argument("--ema_max_decay", type=float, default=0.9999, help="The EMA's (final) decay.")
+    p.add_argument("--logger", default="tensorboard", help="tensorboard, wandb or none.")
+    p.add_argument("--logging_dir", default="logs", help="Trackers' folder, in --output_dir.")
+    p.add_argument("--mixed_precision", choices=["no", "fp16", "bf16"], help="fp16/bf16 autocast.")
+    p.add_argument("--allow_tf32", action="store_true", help="TF32 matmuls on Ampere+: faster.")
     p.add_argument(
-        "--adam_weight_decay", type=float, default=1e-6, help="AdamW's decoupled weight decay."
+        "--enable_xformers_memory_efficient_attention", action="store_true", help="Ignored: SDPA."
     )
     p.add_argument(
-        "--adam_epsilon", type=float, default=1e-08, help="AdamW's ε, added to the denominator."
+        "--prediction_type", default="epsilon", choices=["epsilon", "v_prediction"], help="ε or v."
     )
-    p.add_argument(
-        "--use_8bit_adam",
-        action="store_true",
-        help="bitsandbytes' 8-bit AdamW: optimizer states in a quarter of the memory (GPU only).",
-    )
-    p.add_argument(
-        "--max_grad_norm",
-        type=float,
-        default=1.0,
-        help="Gradients are clipped to this global norm.",
-    )
-    p.add_argument(
-        "--use_ema",
-        action="store_true",
-        help="Keep an exponential moving average of the weights, and save and sample with it.",
-    )
-    p.add_argument(
-        "--ema_inv_gamma", type=float, default=1.0, help="EMA warm-up: decay 1 - (1 + n/γ)^-power."
-    )
-    p.add_argument(
-        "--ema_power", type=float, default=3 / 4, help="That power; 3/4 reaches 0.999 at 10k steps."
-    )
-    p.add_argument(
-        "--ema_max_decay",
-        type=float,
-        default=0.9999,
-        help="The EMA's decay: each step the average moves 1 - decay of the way to the weights.",
-    )
-    p.add_argument(
-        "--logger",
-        default="tensorboard",
-        help="Where metrics and samples go: tensorboard, wandb, or none.",
-    )
-    p.add_argument(
-        "--logging_dir", default="logs", help="The trackers' folder, inside --output_dir."
-    )
-    p.add_argument(
-        "--mixed_precision",
-        choices=["no", "fp16", "bf16"],
-        help="Compute in fp16 or bf16 (weights stay fp32); default: accelerate's config.",
-    )
-    p.add_argument(
-        "--allow_tf32",
-        action="store_true",
-        help=(
-            "Let fp32 matrix products use TF32 on Ampere and newer GPUs: faster, a little less "
-            "exact."
-        ),
-    )
-    p.add_argument(
-        "--enable_xformers_memory_efficient_attention",
-        action="store_true",
-        help="Ignored: PyTorch's SDPA attention is already used.",
-    )
-    p.add_argument(
-        "--prediction_type",
-        default="epsilon",
-        choices=["epsilon", "v_prediction"],
-        help="The UNet's target: the noise ε, or v = √ᾱ_t·ε - √(1-ᾱ_t)·x_0.",
-    )
-    p.add_argument(
-        "--snr_gamma",
-        type=float,
-        help=(
-            "Min-SNR-γ loss weighting (Hang et al. 2023); 5.0 is the paper's choice. Default: off."
-        ),
-    )
-    p.add_argument(
-        "--ddpm_num_steps",
-        type=int,
-        default=1000,
-        help="T, the forward process's number of timesteps.",
-    )
-    p.add_argument(
-        "--ddpm_num_inference_steps", type=int, default=1000, help="DDPM steps to validate with."
-    )
-    p.add_argument(
-        "--ddpm_beta_schedule",
-        default="linear",
-        help="The noise schedule β_1..β_T: linear (DDPM's), scaled_linear or squaredcos_cap_v2.",
-    )
-    p.add_argument(
-        "--checkpointing_steps",
-        type=int,
-        default=500,
-        help="Save a resumable checkpoint every this many optimizer steps.",
-    )
-    p.add_argument(
-        "--checkpoints_total_limit",
-        type=int,
-        help="Keep at most this many checkpoints, deleting the oldest. Default: all.",
-    )
-    p.add_argument(
-        "--resume_from_checkpoint",
-        help='Resume from checkpoint-N in --output_dir, or from the newest with "latest".',
-    )
-    p.add_argument(
-        "--push_to_hub",
-        action="store_true",
-        help="Upload the trained model to the Hugging Face Hub (log in first: `hf auth login`).",
-    )
-    p.add_argument(
-        "--hub_model_id",
-        help="The Hub repository to upload to; default: the name of --output_dir.",
-    )
-    p.add_argument(
-        "--hub_private_repo",
-        action="store_true",
-        help="Create the Hub repository as private.",
-    )
+    p.add_argument("--snr_gamma", type=float, help="Min-SNR-γ's γ (the paper: 5.0); default: off.")
+    p.add_argument("--ddpm_num_steps", type=int, default=1000, help="T, the number of timesteps.")
+    p.add_argument("--ddpm_num_inference_steps", type=int, default=1000, help="DDPM sampling steps")
+    p.add_argument("--ddpm_beta_schedule", default="linear", help="β_1..β_T schedule, e.g. linear.")
+    p.add_argument("--checkpointing_steps", type=int, default=500, help="Checkpoint every N steps.")
+    p.add_argument("--checkpoints_total_limit", type=int, help="Keep the newest N; default: all.")
+    p.add_argument("--resume_from_checkpoint", help='checkpoint-N in --output_dir, or "latest".')
+    p.add_argument("--push_to_hub", action="store_true", help="Upload to the Hub; log in first.")
+    p.add_argument("--hub_model_id", help="The Hub repo; default: --output_dir's name.")
+    p.add_argument("--hub_private_repo", action="store_true", help="Make the Hub repo private.")
     p.add_argument("--hub_token", help="Left out: run `hf auth login` or set HF_TOKEN instead.")
-    p.add_argument(
-        "--local_rank",
-        type=int,
-        default=-1,
-        help="Accepted for legacy launchers that pass it; accelerate sets the rank itself.",
-    )
+    p.add_argument("--local_rank", type=int, default=-1, help="Passed by old launchers; unused.")
     args = p.parse_args(argv)
     refused = {
         "hub_token": "a token in a command lands in shell history; run `hf auth login`",
@@ -319,7 +130,7 @@ def main(args):
         # The others wait up to 2 h while the main process validates.
         kwargs_handlers=[InitProcessGroupKwargs(backend=gloo, timeout=timedelta(hours=2))],
     )
-    # The model itself, without its DDP, DeepSpeed or torch.compile wrapper.
+    # The model without its DDP, DeepSpeed or torch.compile wrapper.
     unwrap = partial(accelerator.unwrap_model, keep_torch_compile=False)
     if accelerator.mixed_precision == "fp16" and accelerator.device.type == "cpu":
         raise SystemExit("error: --mixed_precision fp16 needs a GPU; on a CPU use bf16 or no")
@@ -327,8 +138,6 @@ def main(args):
     if accelerator.distributed_type == DistributedType.FSDP or (plugin and plugin.zero_stage == 3):
         raise SystemExit("error: launch with DDP or DeepSpeed ZeRO-1/2, not FSDP or ZeRO-3")
     logging.basicConfig(level=logging.INFO)
-    if not accelerator.is_main_process:
-        datasets.utils.logging.set_verbosity_error()
     set_seed(args.seed)  # the same initial weights on every process
     if args.allow_tf32:
         torch.backends.cuda.matmul.allow_tf32 = True
@@ -359,7 +168,7 @@ def main(args):
         prediction_type=args.prediction_type,
     )
     ema_model = None
-    if args.use_ema:  # decay 1 - (1 + n/inv_gamma)^-power, up to --ema_max_decay
+    if args.use_ema:  # decay 1 - (1 + n/inv_gamma)^-power, to --ema_max_decay
         decay = dict(decay=args.ema_max_decay, use_ema_warmup=True, power=args.ema_power)
         decay |= dict(inv_gamma=args.ema_inv_gamma)
         ema_model = EMAModel(
@@ -413,7 +222,7 @@ def main(args):
     model, optimizer, train_dataloader, lr_scheduler = accelerator.prepare(
         model, optimizer, train_dataloader, lr_scheduler
     )
-    # Each process draws its own ε and t (the Diffusers examples draw the same on every GPU).
+    # Each process draws its own ε and t (the Diffusers examples: the same on every GPU).
     set_seed(args.seed, device_specific=True)
 
     # 6. Checkpoint hooks and resume. save_state stores the optimizer, LR schedule and every
@@ -449,7 +258,7 @@ def main(args):
     progress_bar = tqdm(
         range(max_train_steps), initial=global_step, disable=not accelerator.is_local_main_process
     )
-    # The loss is summed on the device and read every 10 steps: reading it makes the CPU wait.
+    # The loss is summed on the device, read every 10 steps: a read makes the CPU wait.
     train_loss, logged_step = 0.0, global_step
     for epoch in range(first_epoch, num_epochs):
         model.train()
@@ -596,7 +405,7 @@ def list_checkpoints(output_dir):
 
 def save_checkpoint(accelerator, args, global_step):
     """Keep at most --checkpoints_total_limit, then write tmp-checkpoint-N and rename it: a crash
-    while saving leaves no half-written checkpoint-N for `latest` to pick."""
+    leaves no half-written checkpoint-N for `latest`."""
     path = f"{args.output_dir}/checkpoint-{global_step}"
     tmp = f"{args.output_dir}/tmp-checkpoint-{global_step}"
     if accelerator.is_main_process and args.checkpoints_total_limit is not None:

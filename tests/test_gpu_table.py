@@ -227,3 +227,20 @@ def test_a_table_cut_short_keeps_the_rows_it_measured(tiny_sd_path, tmp_path):
     assert run.returncode == -signal.SIGKILL
     rows = {r["script"]: r for r in table_rows(out.read_text())}
     assert float(rows["ours"]["it/s"]) > 0 and rows["reference"]["it/s"] == "not run"
+
+
+def test_repeat_runs_every_row_in_turn_and_says_so(tiny_sd_path, tmp_path):
+    """--repeat 2: each row runs twice, the rows in turn (ours, then the reference, then ours...),
+    and the table says its figures are the median of the runs."""
+    reference = tmp_path / "reference"
+    reference.mkdir()
+    shutil.copy(reference_lora_script(), reference / gpu_table.REFERENCE["lora"])
+    out = tmp_path / "table.md"
+    options = {"--steps": 3, "--repeat": 2, "--out": out, "--pipeline": tiny_sd_path, "--reference_dir": reference}
+    command = [sys.executable, GPU_TABLE, "--tiny", "--rows", "lora:*:b1:default", "--work_dir", tmp_path / "w"]
+    command += [str(x) for pair in options.items() for x in pair]
+    run = subprocess.run(command, env={**os.environ, **HF_ENV}, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-4000:]
+    started = [line.split(":")[1] for line in run.stderr.splitlines() if line.endswith(": running")]
+    assert started == ["ours", "reference", "ours", "reference"]
+    assert "every row ran 2 times, in turn" in out.read_text()

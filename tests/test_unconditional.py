@@ -267,3 +267,6 @@ def test_a_dataset_is_required(capsys):
     with pytest.raises(SystemExit):
         import_script("train_unconditional").parse_args(["--resolution", "32"])
     assert "one of the arguments --dataset_name --train_data_dir is required" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # one source, not two
+        import_script("train_unconditional").parse_args(["--dataset_name", "a", "--train_data_dir", "b"])
+    assert "argument --train_data_dir: not allowed with argument --dataset_name" in capsys.readouterr().err

@@ -153,6 +153,30 @@ def test_deepspeed_zero2_stores_no_frozen_weights_and_resumes_exactly(common, tm
     assert_same_weights(weights(resumed, LORA), weights(out, LORA))
 
 
+def validation_halves(folder, step, n=2, size=64):
+    """The validation grid's one row (one prompt): its n images at LoRA scale 0, then its n at scale 1."""
+    import numpy as np
+    from PIL import Image
+
+    grid = np.asarray(Image.open(folder / "samples" / f"step-{step}.png"))
+    tiles = [grid[2 : 2 + size, 2 + i * (size + 2) : 2 + i * (size + 2) + size] for i in range(2 * n)]
+    return np.stack(tiles[:n]), np.stack(tiles[n:])
+
+
+def test_validation_draws_the_base_model_then_the_trained_lora(reference, common, tmp_path):
+    """The validation pipeline is built on the very modules that train: at scale 1 it draws the LoRA
+    (here, after 6 steps at lr 1e-2, other images than at scale 0); with an untrained adapter (B = 0)
+    the two halves are the same images."""
+    off, on = validation_halves(reference, 6)
+    assert (off != on).any()
+    untrained = tmp_path / "untrained"
+    train_in_process(SCRIPT, common + ["--output_dir", untrained, "--learning_rate", "0", "--max_train_steps", "1",
+                                       "--validation_prompt", "a handwritten digit seven", "--num_validation_images",
+                                       "2"])
+    off, on = validation_halves(untrained, 1)
+    assert (off == on).all()
+
+
 def test_an_untrained_adapter_changes_nothing(common, tiny_sd_path, tmp_path):
     train_in_process(SCRIPT, common + ["--output_dir", tmp_path, "--learning_rate", "0", "--max_train_steps", "1"])
     lora = weights(tmp_path, LORA)

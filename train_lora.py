@@ -120,9 +120,7 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if args.cache_latents and not args.center_crop:
         p.error("--cache_latents needs --center_crop (a random crop differs each epoch)")
-    refused = {
-        "hub_token": "a token in a command lands in shell history; run `hf auth login`",
-    }
+    refused = {"hub_token": "a token in a command lands in shell history; run `hf auth login`"}
     ignored = {"enable_xformers_memory_efficient_attention": "PyTorch's SDPA attention is used"}
     for flag, value in vars(args).items():
         if value and flag in refused:
@@ -162,8 +160,7 @@ def main(args):
         raise SystemExit("error: --train_text_encoder needs DDP, not DeepSpeed")
     logging.basicConfig(level=logging.INFO)
     set_seed(args.seed)  # the same initial weights on every process
-    if args.allow_tf32:
-        torch.backends.cuda.matmul.allow_tf32 = True
+    torch.backends.cuda.matmul.allow_tf32 = args.allow_tf32
     if args.push_to_hub and accelerator.is_main_process:
         repo_id = args.hub_model_id or os.path.basename(os.path.abspath(args.output_dir))
         with clear_error("--push_to_hub"):  # now, not after hours of training
@@ -263,7 +260,8 @@ def main(args):
     total_batch_size = args.train_batch_size * accelerator.num_processes * accumulation
     if args.scale_lr:
         args.learning_rate *= total_batch_size
-    optimizer_class = torch.optim.AdamW
+    # fused: one kernel for all the weights.
+    optimizer_class = partial(torch.optim.AdamW, fused=True)
     if args.use_8bit_adam:
         import bitsandbytes
 
@@ -634,7 +632,7 @@ def save_grid(accelerator, args, images, global_step, nrow):
     os.makedirs(f"{args.output_dir}/samples", exist_ok=True)
     grid = f"{args.output_dir}/samples/step-{global_step}.png"
     torchvision.utils.save_image(images, grid, nrow=nrow)
-    for tracker in accelerator.trackers:  # TensorBoard, wandb, ...
+    for tracker in accelerator.trackers:
         tracker.log_images({"samples": images}, step=global_step)
 
 

@@ -139,8 +139,7 @@ def main(args):
         raise SystemExit("error: launch with DDP or DeepSpeed ZeRO-1/2, not FSDP or ZeRO-3")
     logging.basicConfig(level=logging.INFO)
     set_seed(args.seed)  # the same initial weights on every process
-    if args.allow_tf32:
-        torch.backends.cuda.matmul.allow_tf32 = True
+    torch.backends.cuda.matmul.allow_tf32 = args.allow_tf32
     if args.push_to_hub and accelerator.is_main_process:
         repo_id = args.hub_model_id or os.path.basename(os.path.abspath(args.output_dir))
         with clear_error("--push_to_hub"):  # now, not after hours of training
@@ -197,7 +196,8 @@ def main(args):
     )
 
     # 5. Optimizer and LR schedule, over each process's share of the batches
-    optimizer_class = torch.optim.AdamW
+    # fused: one kernel for all the weights.
+    optimizer_class = partial(torch.optim.AdamW, fused=True)
     if args.use_8bit_adam:
         import bitsandbytes
 
@@ -230,8 +230,8 @@ def main(args):
     def save_model_hook(models, weights, output_dir):
         if accelerator.is_main_process:
             unwrap(models[0]).save_pretrained(f"{output_dir}/unet")
-        if accelerator.is_main_process and ema_model is not None:
-            ema_model.save_pretrained(f"{output_dir}/unet_ema")
+            if ema_model is not None:
+                ema_model.save_pretrained(f"{output_dir}/unet_ema")
         weights.clear()  # saved above
 
     def load_model_hook(models, input_dir):
@@ -469,7 +469,7 @@ def save_grid(accelerator, args, images, global_step, nrow):
     os.makedirs(f"{args.output_dir}/samples", exist_ok=True)
     grid = f"{args.output_dir}/samples/step-{global_step}.png"
     torchvision.utils.save_image(images, grid, nrow=nrow)
-    for tracker in accelerator.trackers:  # TensorBoard, wandb, ...
+    for tracker in accelerator.trackers:
         tracker.log_images({"samples": images}, step=global_step)
 
 

@@ -205,6 +205,19 @@ def test_bf16_updates_of_1e_4_land_in_fp32_masters_and_resume_exactly(common, tm
     assert_same_weights(weights(resumed, LORA), lora)
 
 
+def test_adamw_is_torch_fused_and_8bit_adam_is_bitsandbytes(reference, common, tmp_path):
+    """The optimizer state in the checkpoints: torch's fused AdamW by default (one kernel for all the weights),
+    bitsandbytes' AdamW8bit with --use_8bit_adam (its own state, no torch flags passed to it), and both train."""
+    fused = torch.load(reference / "checkpoint-6" / "optimizer.bin", weights_only=False)
+    assert [group["fused"] for group in fused["param_groups"]] == [True]
+    assert "exp_avg" in fused["state"][0]
+    args = [a for a in common if a != "--use_ema"] + ["--max_train_steps", "1", "--checkpointing_steps", "1"]
+    train_in_process(SCRIPT, args + ["--output_dir", tmp_path, "--use_8bit_adam"])
+    eight_bit = torch.load(tmp_path / "checkpoint-1" / "optimizer.bin", weights_only=False)
+    assert "fused" not in eight_bit["param_groups"][0] and "exp_avg" not in eight_bit["state"][0]
+    assert all(v.abs().sum() > 0 for k, v in weights(tmp_path, LORA).items() if ".lora_B." in k)  # B = 0 at first
+
+
 def test_the_text_encoder_adapter_passes_no_version_gate(common, tmp_path, monkeypatch):
     """transformers' add_adapter refuses peft releases older than its own minimum (5.24: peft 0.22, not yet
     released); the script calls peft directly, so a gate that always refuses must not stop it."""

@@ -10,13 +10,16 @@ nine numbered sections of every diffusion script here: the bare skeleton, nothin
 """
 
 import argparse
+import logging
 import math
 import os
+import re
 import shutil
 from contextlib import contextmanager
 
 import torch
 from accelerate import Accelerator
+from accelerate.logging import get_logger
 from accelerate.utils import DataLoaderConfiguration, ProjectConfiguration, set_seed
 from diffusers.optimization import get_scheduler
 from safetensors.torch import save_file
@@ -24,6 +27,7 @@ from torch.utils.data import DataLoader, RandomSampler, TensorDataset
 from tqdm.auto import tqdm
 
 TRUE_W = [2.0, 3.0, 4.0, 7.0]
+logger = get_logger(__name__)
 
 
 # 1. Arguments: the Diffusers examples' flag names, so the same commands work across scripts
@@ -83,10 +87,11 @@ def main(args):
         project_config=ProjectConfiguration(args.output_dir, logging_dir=f"{args.output_dir}/logs"),
         # Every process draws the same permutation each epoch and takes its own share of it.
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=args.seed),
-        # The loop steps the learning rate itself, once per optimizer step.
+        # The loop steps the LR schedule once per optimizer step.
         step_scheduler_with_optimizer=False,
     )
-    # The same seed on every process: the same initial weights everywhere.
+    logging.basicConfig(level=logging.INFO)
+    # The same initial weights on every process.
     set_seed(args.seed)
 
     # 3. Model: y = w·x is a linear layer with four inputs, one output and no bias
@@ -113,7 +118,7 @@ def main(args):
     # 6. Resume: load_state restores the model, optimizer, LR schedule and every RNG
     global_step = resume_from_checkpoint(accelerator, args)
     first_epoch = global_step // steps_per_epoch
-    skip_batches = global_step % steps_per_epoch * accumulation
+    skip_batches = (global_step % steps_per_epoch) * accumulation
     if accelerator.is_main_process:
         accelerator.init_trackers("toy_linear")
 
@@ -121,35 +126,40 @@ def main(args):
     progress_bar = tqdm(
         range(max_train_steps), initial=global_step, disable=not accelerator.is_local_main_process
     )
-    # The loss is summed on the device and read every 10 steps: reading it makes the CPU wait.
-    train_loss, logged_step = 0.0, global_step
+    # The loss is summed on the device, read every 10 steps: a read makes the CPU wait.
+    train_loss = 0.0
+    logged_step = global_step
     for epoch in range(first_epoch, num_epochs):
         # This epoch's permutation, also when resuming.
         train_dataloader.set_epoch(epoch)
         batches = train_dataloader
-        if epoch == first_epoch and skip_batches:  # those the resumed checkpoint trained on
+        # A resumed run skips the batches its checkpoint has trained on.
+        if epoch == first_epoch and skip_batches:
             batches = accelerator.skip_first_batches(train_dataloader, skip_batches)
         for x, y in batches:
             # Gradients add up over micro-batches; the optimizer steps on the last one.
             with accelerator.accumulate(model):
                 loss = torch.nn.functional.mse_loss(model(x), y)
-                accelerator.backward(loss)  # gradients, averaged over processes
+                # Gradients, averaged over processes (and divided by the accumulation steps).
+                accelerator.backward(loss)
                 optimizer.step()
                 optimizer.zero_grad()
+                # Each micro-batch's share of the step's mean loss.
                 train_loss += loss.detach() / accumulation
-            if accelerator.sync_gradients:  # an optimizer step happened
+            # An optimizer step happened.
+            if accelerator.sync_gradients:
                 lr_scheduler.step()
                 global_step += 1
                 progress_bar.update(1)
                 if global_step % 10 == 0 or global_step >= max_train_steps:
-                    steps, logged_step = global_step - logged_step, global_step
-                    logs = {
-                        "loss": accelerator.reduce(train_loss, "mean").item() / steps,  # per step
-                        "lr": lr_scheduler.get_last_lr()[0],
-                    }
+                    # The mean loss of the steps since the last read, over every process.
+                    steps = global_step - logged_step
+                    mean_loss = accelerator.reduce(train_loss, "mean").item() / steps
+                    logs = {"loss": mean_loss, "lr": lr_scheduler.get_last_lr()[0]}
                     progress_bar.set_postfix(**logs)
                     accelerator.log(logs, step=global_step)
                     train_loss = 0.0
+                    logged_step = global_step
                 if global_step % args.checkpointing_steps == 0:
                     save_checkpoint(accelerator, args, global_step)
             if global_step >= max_train_steps:
@@ -177,40 +187,49 @@ def clear_error(flag):
 def list_checkpoints(output_dir):
     """The checkpoint-N folders in output_dir, oldest first."""
     names = os.listdir(output_dir) if os.path.isdir(output_dir) else []
-    names = [n for n in names if n.startswith("checkpoint-") and n[11:].isdigit()]
-    return sorted(names, key=lambda n: int(n[11:]))
+    names = [n for n in names if re.fullmatch(r"checkpoint-\d+", n)]
+    return sorted(names, key=lambda n: int(n.split("-")[1]))
 
 
 def save_checkpoint(accelerator, args, global_step):
     """Keep at most --checkpoints_total_limit, then write tmp-checkpoint-N and rename it: a crash
-    while saving leaves no half-written checkpoint-N for `latest` to pick."""
+    leaves no half-written checkpoint-N for `latest`."""
     path = f"{args.output_dir}/checkpoint-{global_step}"
     tmp = f"{args.output_dir}/tmp-checkpoint-{global_step}"
     if accelerator.is_main_process and args.checkpoints_total_limit is not None:
         old = list_checkpoints(args.output_dir)
         for name in old[: max(0, len(old) - args.checkpoints_total_limit + 1)]:
             shutil.rmtree(f"{args.output_dir}/{name}")
-    accelerator.save_state(tmp)  # on every process: each writes its RNG states
+    # On every process: each writes its RNG states.
+    accelerator.save_state(tmp)
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
-        shutil.rmtree(path, ignore_errors=True)  # from a run before this one's resume
+        # A checkpoint-N of a run before this one's resume gives way.
+        shutil.rmtree(path, ignore_errors=True)
         os.rename(tmp, path)
+        logger.info(f"Saved {path}")
 
 
 def resume_from_checkpoint(accelerator, args):
     """Load --resume_from_checkpoint (`latest`: the newest, if any) and return its step."""
     name = args.resume_from_checkpoint
-    if name == "latest":  # none yet: a new run
-        name = (list_checkpoints(args.output_dir) or [None])[-1]
+    if name == "latest":
+        found = list_checkpoints(args.output_dir)
+        # None yet: a new run.
+        name = found[-1] if found else None
     if name is None:
         return 0
-    path = os.path.join(args.output_dir, os.path.basename(os.path.normpath(name)))
-    with clear_error(f"--resume_from_checkpoint {path}"):  # missing, partial, another run's
-        accelerator.load_state(path)
-        accelerator.print(f"Resumed from {path}")
-        return int(path.rsplit("-", 1)[1])
+    checkpoint = os.path.join(args.output_dir, os.path.basename(os.path.normpath(name)))
+    # A checkpoint that is missing, half written or another run's ends in one line.
+    with clear_error(f"--resume_from_checkpoint {checkpoint}"):
+        accelerator.load_state(checkpoint)
+        logger.info(f"Resumed from {checkpoint}")
+        return int(checkpoint.rsplit("-", 1)[1])
 
 
 if __name__ == "__main__":
     args = parse_args()
-    train_plain(args) if args.plain else main(args)
+    if args.plain:
+        train_plain(args)
+    else:
+        main(args)

@@ -14,7 +14,9 @@ import argparse
 import logging
 import math
 import os
+import re
 import shutil
+import signal
 from contextlib import contextmanager
 from datetime import timedelta
 from functools import partial
@@ -44,7 +46,8 @@ logger = get_logger(__name__)
 # 1. Arguments: train_unconditional.py's flags, the DiT paper's defaults
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description="Train a class-conditional DiT from scratch.")
-    source = p.add_mutually_exclusive_group(required=True)  # the images: one of the two
+    # The images come from one of two sources.
+    source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--dataset_name", help="A Hub dataset, or a folder `datasets` loads.")
     p.add_argument("--dataset_config_name", help="The dataset's configuration, if it has several.")
     source.add_argument("--train_data_dir", help="A folder of images (an imagefolder).")
@@ -54,7 +57,7 @@ def parse_args(argv=None):
     p.add_argument("--cache_dir", help="Where downloads are cached (default: the HF cache).")
     p.add_argument("--model_config_name_or_path", required=True, help="DiT config folder.")
     p.add_argument("--pretrained_vae_model_name_or_path", help="A VAE folder: latent space.")
-    p.add_argument("--cache_latents", action="store_true", help="Encode images once (VAE, crop).")
+    p.add_argument("--cache_latents", action="store_true", help="Encode each image once, up front.")
     p.add_argument("--output_dir", default="dit-model", help="Where outputs go.")
     p.add_argument("--overwrite_output_dir", action="store_true", help="Accepted and ignored.")
     p.add_argument("--seed", type=int, default=0, help="Seeds weights, data order, noise.")
@@ -67,7 +70,7 @@ def parse_args(argv=None):
     p.add_argument("--num_epochs", type=int, default=100, help="Passes over the dataset to train.")
     p.add_argument("--max_train_steps", type=int, help="Steps to train; overrides the epochs.")
     p.add_argument("--save_images_epochs", type=int, default=10, help="Validate every N epochs.")
-    p.add_argument("--save_model_epochs", type=int, default=10, help="Save the pipeline every N.")
+    p.add_argument("--save_model_epochs", type=int, default=10, help="Save every N epochs.")
     p.add_argument("--gradient_accumulation_steps", type=int, default=1, help="Batches per step.")
     p.add_argument("--gradient_checkpointing", action="store_true", help="Less memory, slower.")
     p.add_argument("--learning_rate", type=float, default=1e-4, help="AdamW's LR after warm-up.")
@@ -99,8 +102,8 @@ def parse_args(argv=None):
     p.add_argument("--snr_gamma", type=float, help="Min-SNR-γ's γ (the paper: 5.0); default: off.")
     p.add_argument("--ddpm_num_steps", type=int, default=1000, help="T, the number of timesteps.")
     p.add_argument("--ddpm_beta_schedule", default="linear", help="β_1..β_T schedule, e.g. linear.")
-    p.add_argument("--num_inference_steps", type=int, default=50, help="Validation sampling steps.")
-    p.add_argument("--guidance_scale", type=float, default=4.0, help="Validation guidance scale s.")
+    p.add_argument("--num_inference_steps", type=int, default=50, help="Sampler steps to validate.")
+    p.add_argument("--guidance_scale", type=float, default=4.0, help="Validation's guidance scale.")
     p.add_argument("--checkpointing_steps", type=int, default=500, help="Checkpoint every N steps.")
     p.add_argument("--checkpoints_total_limit", type=int, help="Keep the newest N; default: all.")
     p.add_argument("--resume_from_checkpoint", help='checkpoint-N in --output_dir, or "latest".')
@@ -138,7 +141,8 @@ def main(args):
         ),
         # Every process draws the same permutation each epoch and takes its share of it.
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=args.seed),
-        step_scheduler_with_optimizer=False,  # the loop steps the LR once per optimizer step
+        # The loop steps the LR schedule once per optimizer step.
+        step_scheduler_with_optimizer=False,
         # The others wait up to 2 h while the main process validates.
         kwargs_handlers=[InitProcessGroupKwargs(backend=gloo, timeout=timedelta(hours=2))],
     )
@@ -146,21 +150,30 @@ def main(args):
     unwrap = partial(accelerator.unwrap_model, keep_torch_compile=False)
     if accelerator.mixed_precision == "fp16" and accelerator.device.type == "cpu":
         raise SystemExit("error: --mixed_precision fp16 needs a GPU; on a CPU use bf16 or no")
+    if args.use_8bit_adam and accelerator.device.type == "mps":
+        raise SystemExit("error: --use_8bit_adam: bitsandbytes has no 8-bit AdamW for Apple's MPS")
     plugin = accelerator.state.deepspeed_plugin
     if accelerator.distributed_type == DistributedType.FSDP or (plugin and plugin.zero_stage == 3):
         raise SystemExit("error: launch with DDP or DeepSpeed ZeRO-1/2, not FSDP or ZeRO-3")
     logging.basicConfig(level=logging.INFO)
-    set_seed(args.seed)  # the same initial weights on every process
+    # SIGTERM (a scheduler's notice) or SIGINT (Ctrl-C): save and stop at the next read of the loss.
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: accelerator.set_trigger())
+    # The same initial weights on every process.
+    set_seed(args.seed)
     torch.backends.cuda.matmul.allow_tf32 = args.allow_tf32
     if args.push_to_hub and accelerator.is_main_process:
         repo_id = args.hub_model_id or os.path.basename(os.path.abspath(args.output_dir))
-        with clear_error("--push_to_hub"):  # now, not after hours of training
+        # Now, not after hours of training.
+        with clear_error("--push_to_hub"):
             repo = create_repo(repo_id, private=args.hub_private_repo, exist_ok=True)
 
     # 3. Models: the frozen VAE if any, the transformer ε_θ, the noise schedule β_t
     train_dataset = load_train_dataset(args, args.image_column, args.label_column)
-    labels = train_dataset.features[args.label_column]  # ClassLabel (a folder per class) or ints
-    names = getattr(labels, "names", None) or range(max(train_dataset[args.label_column]) + 1)
+    # The class names: a ClassLabel's (an imagefolder with a folder per class), else 0 to N-1.
+    label_feature = train_dataset.features[args.label_column]
+    names = getattr(label_feature, "names", None)
+    names = names or range(max(train_dataset[args.label_column]) + 1)
     dtypes = {"fp16": torch.float16, "bf16": torch.bfloat16}
     weight_dtype = dtypes.get(accelerator.mixed_precision, torch.float32)
     vae = None
@@ -168,16 +181,19 @@ def main(args):
         vae_path = args.pretrained_vae_model_name_or_path
         with clear_error(f"--pretrained_vae_model_name_or_path {vae_path}"):
             vae = AutoencoderKL.from_pretrained(vae_path)
-        vae.requires_grad_(False).to(accelerator.device, dtype=weight_dtype)  # it only encodes
+        # It only encodes: frozen, in the mixed-precision dtype.
+        vae.requires_grad_(False).to(accelerator.device, dtype=weight_dtype)
     model = build_transformer(args, len(names), vae)
-    null_class = model.config.num_embeds_ada_norm  # ∅: the row after the classes
+    # ∅ is the embedding row after the classes.
+    null_class = model.config.num_embeds_ada_norm
     if args.gradient_checkpointing:
         model.enable_gradient_checkpointing()
     noise_scheduler = DDPMScheduler(
         num_train_timesteps=args.ddpm_num_steps,
         beta_schedule=args.ddpm_beta_schedule,
         prediction_type=args.prediction_type,
-        clip_sample=False,  # guidance overshoots x_0 on purpose: clipped, s = 4 drew no digits
+        # Guidance overshoots x_0 on purpose: clipped to [-1, 1], s = 4 drew no digits.
+        clip_sample=False,
     )
     # The sampler of validation and of the saved pipeline: DDIM on the βs for ε and v; for flow,
     # DPM-Solver++ on σ, which DiTPipeline can call (FlowMatchEulerDiscreteScheduler it cannot).
@@ -187,25 +203,32 @@ def main(args):
             use_flow_sigmas=True, prediction_type="flow_prediction", flow_shift=1.0
         )
     ema_model = None
-    if args.use_ema:  # the paper's EMA: a constant decay
-        decay = dict(decay=args.ema_max_decay, min_decay=args.ema_max_decay)
+    # The paper's EMA: a constant decay.
+    if args.use_ema:
         ema_model = EMAModel(
-            model.parameters(), **decay, model_cls=type(model), model_config=model.config
+            model.parameters(),
+            decay=args.ema_max_decay,
+            min_decay=args.ema_max_decay,
+            model_cls=type(model),
+            model_config=model.config,
         )
 
     # 4. Data: images resized, cropped, flipped, scaled to [-1, 1], with their labels
     crop = transforms.CenterCrop if args.center_crop else transforms.RandomCrop
+    # Pixels in [0, 1] become (x - 0.5) / 0.5, in [-1, 1].
     augment = transforms.Compose(
         [
             transforms.Resize(args.resolution),
             crop(args.resolution),
             transforms.ToTensor(),
-            transforms.Normalize([0.5], [0.5]),  # [0, 1] -> [-1, 1]
+            transforms.Normalize([0.5], [0.5]),
         ]
     )
-    if args.cache_latents:  # the frozen VAE encodes each image once, here, not in every epoch
+    # --cache_latents: the frozen VAE encodes each image once, here, not in every epoch.
+    if args.cache_latents:
         key = [train_dataset._fingerprint, vae_path, args.resolution, args.random_flip, vae.dtype]
-        with accelerator.main_process_first():  # the others read its files
+        # The main process writes the cache; the others then read its files.
+        with accelerator.main_process_first():
             train_dataset = train_dataset.map(
                 partial(encode_latents, args=args, augment=augment, vae=vae),
                 batched=True,
@@ -214,14 +237,16 @@ def main(args):
                 new_fingerprint=Hasher.hash(key),
             )
     size = model.config.sample_size
-    shape = (2 * model.config.in_channels, size, size)  # the latent's μ and log σ²
+    # A cached latent's shape: its μ and log σ², channel after channel.
+    shape = (2 * model.config.in_channels, size, size)
     transform = partial(preprocess, args=args, augment=augment, shape=shape)
     train_dataloader = torch.utils.data.DataLoader(
         train_dataset,
         batch_size=args.train_batch_size,
         shuffle=True,
         num_workers=args.dataloader_num_workers,
-        generator=torch.Generator().manual_seed(args.seed),  # not the global RNG: see preprocess
+        # Its own generator, not the global RNG: see preprocess.
+        generator=torch.Generator().manual_seed(args.seed),
     )
 
     # 5. Optimizer and LR schedule, over each process's share of the batches
@@ -251,7 +276,8 @@ def main(args):
     model, optimizer, train_dataloader, lr_scheduler = accelerator.prepare(
         model, optimizer, train_dataloader, lr_scheduler
     )
-    # Each process draws its own ε and t (the Diffusers examples: the same on every GPU).
+    # Each process draws its own ε and t. (The Diffusers unconditional example never seeds; its
+    # text-to-image examples seed every process alike, if given --seed: the same ε and t on each.)
     set_seed(args.seed, device_specific=True)
 
     # 6. Checkpoint hooks and resume. save_state stores the optimizer, LR schedule and every
@@ -261,7 +287,8 @@ def main(args):
             unwrap(models[0]).save_pretrained(f"{output_dir}/transformer")
             if ema_model is not None:
                 ema_model.save_pretrained(f"{output_dir}/transformer_ema")
-        weights.clear()  # saved above
+        # Saved above: accelerate must not store them again.
+        weights.clear()
 
     def load_model_hook(models, input_dir):
         if models:
@@ -274,10 +301,11 @@ def main(args):
     accelerator.register_save_state_pre_hook(save_model_hook)
     accelerator.register_load_state_pre_hook(load_model_hook)
     global_step = resume_from_checkpoint(accelerator, args)
-    if ema_model is not None:  # on the device, also when it was loaded
+    # The EMA goes to the device after the resume, which loads it on the CPU.
+    if ema_model is not None:
         ema_model.to(accelerator.device)
     first_epoch = global_step // steps_per_epoch
-    skip_batches = global_step % steps_per_epoch * accumulation
+    skip_batches = (global_step % steps_per_epoch) * accumulation
     hparams = {k: v for k, v in vars(args).items() if isinstance(v, (int, float, str))}
     accelerator.init_trackers("train_dit", config=hparams)
 
@@ -288,14 +316,18 @@ def main(args):
         range(max_train_steps), initial=global_step, disable=not accelerator.is_local_main_process
     )
     # The loss is summed on the device, read every 10 steps: a read makes the CPU wait.
-    train_loss, logged_step = 0.0, global_step
+    train_loss = 0.0
+    logged_step = global_step
+    stopped = False
     for epoch in range(first_epoch, num_epochs):
         model.train()
         # This epoch's crops and flips: preprocess seeds them with (seed, epoch, row).
         train_dataset.set_transform(partial(transform, epoch=epoch))
-        train_dataloader.set_epoch(epoch)  # this epoch's permutation, also when resuming
+        # This epoch's permutation, also when resuming.
+        train_dataloader.set_epoch(epoch)
         batches = train_dataloader
-        if epoch == first_epoch and skip_batches:  # those the resumed checkpoint trained on
+        # A resumed run skips the batches its checkpoint has trained on.
+        if epoch == first_epoch and skip_batches:
             batches = accelerator.skip_first_batches(train_dataloader, skip_batches)
         for batch in batches:
             with accelerator.accumulate(model):
@@ -303,7 +335,8 @@ def main(args):
                 clean_images = sample_latents(vae, batch, args) if vae else batch["pixel_values"]
                 # ε ~ N(0, I): the noise to mix in.
                 noise = torch.randn_like(clean_images)
-                bsz, device = len(clean_images), clean_images.device
+                bsz = len(clean_images)
+                device = clean_images.device
                 if args.prediction_type == "flow_prediction":
                     # σ ~ logit-normal: sigmoid of N(m, s²), most σ mid-way (SD3, Esser et al.).
                     sigmas = compute_density_for_timestep_sampling(
@@ -331,10 +364,10 @@ def main(args):
                 # The paper's label dropout, for guidance: y = ∅ with p = --class_dropout_prob.
                 dropped = torch.rand(bsz, device=device) < args.class_dropout_prob
                 class_labels = batch["class_labels"].masked_fill(dropped, null_class)
-                # ε_θ(x_t, t, y): the prediction. Its input is cast to the mixed-precision dtype, as
-                # DeepSpeed keeps the model's own weights in that dtype (autocast takes either).
+                # The model's prediction of the target, ε_θ(x_t, t, y) for ε. Its input is cast to
+                # the mixed-precision dtype, as DeepSpeed keeps the model's weights in that dtype.
                 model_output = model(noisy_images.to(weight_dtype), timesteps, class_labels).sample
-                # ‖ε - ε_θ(x_t, t, y)‖²: the simplified loss (DDPM eq. 14), per image for Min-SNR-γ.
+                # ‖target - prediction‖²: the simple loss (DDPM eq. 14), per image for Min-SNR-γ.
                 loss = F.mse_loss(model_output.float(), target.float(), reduction="none")
                 loss = loss.mean(dim=[1, 2, 3])
                 if args.snr_gamma is not None:
@@ -349,28 +382,48 @@ def main(args):
                 optimizer.zero_grad()
                 train_loss += loss.detach() / accumulation
 
-            if accelerator.sync_gradients:  # an optimizer step happened
+            # An optimizer step happened.
+            if accelerator.sync_gradients:
                 lr_scheduler.step()
                 if ema_model is not None:
                     ema_model.step(model.parameters())
                 global_step += 1
                 progress_bar.update(1)
-                if global_step % 10 == 0 or global_step >= max_train_steps:
-                    steps, logged_step = global_step - logged_step, global_step
-                    loss_per_step = accelerator.reduce(train_loss, "mean").item() / steps
-                    logs = {"loss": loss_per_step, "lr": lr_scheduler.get_last_lr()[0]}
+                save = global_step % args.checkpointing_steps == 0
+                if global_step % 10 == 0 or save or global_step >= max_train_steps:
+                    # The mean loss of the steps since the last read, over every process.
+                    steps = global_step - logged_step
+                    mean_loss = accelerator.reduce(train_loss, "mean").item() / steps
+                    logs = {"loss": mean_loss, "lr": lr_scheduler.get_last_lr()[0]}
                     progress_bar.set_postfix(**logs)
                     accelerator.log(logs, step=global_step)
                     train_loss = 0.0
-                if global_step % args.checkpointing_steps == 0:
+                    logged_step = global_step
+                    # Diverged: stop before a checkpoint keeps the weights of a loss of inf or NaN.
+                    if not math.isfinite(mean_loss):
+                        raise SystemExit(
+                            f"error: the loss is {mean_loss} at step {global_step}; resume from a "
+                            "checkpoint before it with a lower --learning_rate, or bf16 for fp16"
+                        )
+                    # A signal to any process stops them all here, at the same step.
+                    stopped = accelerator.check_trigger()
+                if save or stopped:
                     save_checkpoint(accelerator, args, global_step)
+                if stopped:
+                    logger.info(
+                        f"Stopped at step {global_step}: go on with --resume_from_checkpoint latest"
+                    )
+                    # sysexits' EX_TEMPFAIL, "try again later": a status a scheduler can requeue.
+                    raise SystemExit(75)
             if global_step >= max_train_steps:
                 break
 
         # 8. Validation: guided samples from fixed noise, a row per class, EMA weights if any
         last_epoch = epoch == num_epochs - 1 or global_step >= max_train_steps
         if accelerator.is_main_process and (epoch % args.save_images_epochs == 0 or last_epoch):
-            log_validation(accelerator, args, unwrap(model), ema_model, sampler, vae, global_step)
+            log_validation(
+                accelerator, args, unwrap(model), ema_model, sampler, vae, len(names), global_step
+            )
         if last_epoch:
             break
         if accelerator.is_main_process and epoch % args.save_model_epochs == 0:
@@ -397,13 +450,18 @@ def clear_error(flag):
 
 def load_train_dataset(args, *columns):
     """A hub dataset or an imagefolder, and a "row" column that seeds each image's crop and flip."""
-    name, config, files = args.dataset_name, args.dataset_config_name, None
+    name = args.dataset_name
+    files = None
     flag = f"--dataset_name {name}"
-    if name is None:  # an imagefolder: every image under --train_data_dir
-        name, files = "imagefolder", os.path.join(args.train_data_dir, "**")
+    # Without --dataset_name: an imagefolder of every image under --train_data_dir.
+    if name is None:
+        name = "imagefolder"
+        files = os.path.join(args.train_data_dir, "**")
         flag = f"--train_data_dir {args.train_data_dir}"
     with clear_error(flag):
-        dataset = datasets.load_dataset(name, config, data_files=files, cache_dir=args.cache_dir)
+        dataset = datasets.load_dataset(
+            name, args.dataset_config_name, data_files=files, cache_dir=args.cache_dir
+        )
         dataset = dataset["train"]
     for column in columns:
         if column not in dataset.column_names:
@@ -425,11 +483,13 @@ def preprocess(examples, args, augment, shape, epoch):
     batch = {"class_labels": examples[args.label_column], "pixel_values": [], "latent_moments": []}
     for i, row in enumerate(examples["row"]):
         with torch.random.fork_rng(devices=[]):
-            seed = (args.seed * 1_000_003 + epoch) * 1_000_003 + row  # one per image and epoch
-            torch.default_generator.manual_seed(seed % 2**32)  # torch keeps 32 bits of a seed
-            # Drawn here, not in augment as in train_unconditional: it picks a cached latent's side.
-            flip = torch.rand(()) < (0.5 if args.random_flip else 0.0)
-            if args.cache_latents:  # the moments of both sides are cached: pick one
+            # One seed per image and epoch; torch keeps 32 bits of a seed.
+            seed = (args.seed * 1_000_003 + epoch) * 1_000_003 + row
+            torch.default_generator.manual_seed(seed % 2**32)
+            # Drawn only with --random_flip: without it, the crop's draws stay the same.
+            flip = args.random_flip and bool(torch.rand(()) < 0.5)
+            # The moments of both sides are cached: the flip picks one.
+            if args.cache_latents:
                 data = bytearray(examples["latent_moments"][i])
                 moments = torch.frombuffer(data, dtype=torch.float32).view(-1, *shape)
                 batch["latent_moments"].append(moments[int(flip)])
@@ -452,7 +512,8 @@ def encode_latents(examples, args, augment, vae):
 
 @torch.no_grad()
 def sample_latents(vae, batch, args):
-    """x_0 in latent space: a sample of the VAE's posterior N(μ, σ²), at unit variance."""
+    """The batch's latents (x_0 or z_0): a sample of the VAE's posterior N(μ, σ²) of each image,
+    from its pixels or its cached μ and log σ², scaled to unit variance."""
     if args.cache_latents:
         posterior = DiagonalGaussianDistribution(batch["latent_moments"])
     else:
@@ -461,18 +522,23 @@ def sample_latents(vae, batch, args):
 
 
 def build_transformer(args, num_classes, vae):
-    """A DiTTransformer2DModel from scratch, closer to the paper's DiT than diffusers' defaults."""
+    """A DiTTransformer2DModel from scratch, set up as the paper's DiT but for the differences
+    named below."""
     with clear_error(f"--model_config_name_or_path {args.model_config_name_or_path}"):
-        config = DiTTransformer2DModel.load_config(args.model_config_name_or_path)
-    channels = vae.config.latent_channels if vae else config.get("in_channels", 3)
+        dit_config = DiTTransformer2DModel.load_config(args.model_config_name_or_path)
+    channels = vae.config.latent_channels if vae else dit_config.get("in_channels", 3)
     size = args.resolution // (2 ** (len(vae.config.block_out_channels) - 1) if vae else 1)
-    config |= dict(in_channels=channels, out_channels=channels, sample_size=size)
-    classes = 1000 if vae else num_classes  # DiTPipeline asks for ∅ as 1000, ImageNet's count
-    model = DiTTransformer2DModel.from_config(config, num_embeds_ada_norm=classes)
-    # (1) Labels are dropped once per image, in the loop; dropped in each block apart, ∅ would
-    # hardly ever be the whole condition. (2) adaLN-Zero: each block's modulation (shift, scale,
-    # gate) starts at zero, so each block starts as the identity; so do the final layers. (Each
-    # block keeps its own t, y embedders: tied, they would not save.)
+    dit_config |= dict(in_channels=channels, out_channels=channels, sample_size=size)
+    # DiTPipeline asks for ∅ as class 1000, ImageNet's count: with a VAE, the rows are ImageNet's.
+    classes = 1000 if vae else num_classes
+    model = DiTTransformer2DModel.from_config(dit_config, num_embeds_ada_norm=classes)
+    # As in the paper: (1) labels are dropped once per image, in the loop (diffusers drops them
+    # in each block apart, 29 draws a forward, so ∅ would hardly ever be the whole condition).
+    # (2) adaLN-Zero: each block's modulation (shift, scale, gate) starts at zero, so each block
+    # starts as the identity; so do the final layers.
+    # Unlike the paper: each block keeps its own t and y embedders (the paper shares one pair;
+    # DiT-XL/2 has 75 M more parameters); out_channels = in_channels, no learned Σ, so the loss is
+    # the MSE alone, without the variational bound; gradients are clipped at --max_grad_norm.
     zeroed = [model.proj_out_1, model.proj_out_2]
     for block in model.transformer_blocks:
         block.norm1.emb.class_embedder.dropout_prob = 0.0
@@ -484,18 +550,19 @@ def build_transformer(args, num_classes, vae):
 
 
 def min_snr_weights(noise_scheduler, timesteps, snr_gamma):
-    """Min-SNR-γ (Hang et al. 2023): weights min(SNR(t), γ) / SNR(t), or / (SNR(t) + 1) for v;
-    SNR(t) = ᾱ_t / (1 - ᾱ_t). The nearly clean timesteps no longer dominate the gradient."""
+    """Min-SNR-γ (Hang et al. 2023): the loss on x_0 weighted by min(SNR(t), γ), with SNR(t) =
+    ᾱ_t / (1 - ᾱ_t), so that the nearly clean timesteps no longer dominate the gradient. The loss
+    on ε is the loss on x_0 times SNR(t), on v times SNR(t) + 1: divide by them."""
     snr = compute_snr(noise_scheduler, timesteps)
-    v_target = noise_scheduler.config.prediction_type == "v_prediction"
-    return snr.clamp(max=snr_gamma) / (snr + 1 if v_target else snr)
+    divisors = {"epsilon": snr, "v_prediction": snr + 1, "sample": 1}
+    return snr.clamp(max=snr_gamma) / divisors[noise_scheduler.config.prediction_type]
 
 
 def list_checkpoints(output_dir):
     """The checkpoint-N folders in output_dir, oldest first."""
     names = os.listdir(output_dir) if os.path.isdir(output_dir) else []
-    names = [n for n in names if n.startswith("checkpoint-") and n[11:].isdigit()]
-    return sorted(names, key=lambda n: int(n[11:]))
+    names = [n for n in names if re.fullmatch(r"checkpoint-\d+", n)]
+    return sorted(names, key=lambda n: int(n.split("-")[1]))
 
 
 def save_checkpoint(accelerator, args, global_step):
@@ -507,10 +574,12 @@ def save_checkpoint(accelerator, args, global_step):
         old = list_checkpoints(args.output_dir)
         for name in old[: max(0, len(old) - args.checkpoints_total_limit + 1)]:
             shutil.rmtree(f"{args.output_dir}/{name}")
-    accelerator.save_state(tmp)  # on every process: each writes its RNG states
+    # On every process: each writes its RNG states.
+    accelerator.save_state(tmp)
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
-        shutil.rmtree(path, ignore_errors=True)  # from a run before this one's resume
+        # A checkpoint-N of a run before this one's resume gives way.
+        shutil.rmtree(path, ignore_errors=True)
         os.rename(tmp, path)
         logger.info(f"Saved {path}")
 
@@ -518,27 +587,35 @@ def save_checkpoint(accelerator, args, global_step):
 def resume_from_checkpoint(accelerator, args):
     """Load --resume_from_checkpoint (`latest`: the newest, if any) and return its step."""
     name = args.resume_from_checkpoint
-    if name == "latest":  # none yet: a new run
-        name = (list_checkpoints(args.output_dir) or [None])[-1]
+    if name == "latest":
+        found = list_checkpoints(args.output_dir)
+        # None yet: a new run.
+        name = found[-1] if found else None
     if name is None:
         return 0
-    path = os.path.join(args.output_dir, os.path.basename(os.path.normpath(name)))
-    with clear_error(f"--resume_from_checkpoint {path}"):  # missing, partial, another run's
-        accelerator.load_state(path)
-        logger.info(f"Resumed from {path}")
-        return int(path.rsplit("-", 1)[1])
+    checkpoint = os.path.join(args.output_dir, os.path.basename(os.path.normpath(name)))
+    # A checkpoint that is missing, half written or another run's ends in one line.
+    with clear_error(f"--resume_from_checkpoint {checkpoint}"):
+        accelerator.load_state(checkpoint)
+        logger.info(f"Resumed from {checkpoint}")
+        return int(checkpoint.rsplit("-", 1)[1])
 
 
-def log_validation(accelerator, args, model, ema_model, sampler, vae, global_step):
-    model.eval()  # no dropout while sampling
-    if ema_model is not None:  # sample with the EMA weights, then put the trained ones back
+def log_validation(accelerator, args, model, ema_model, sampler, vae, num_classes, global_step):
+    # No dropout while sampling.
+    model.eval()
+    # Sample with the EMA weights, then put the trained ones back.
+    if ema_model is not None:
         ema_model.store(model.parameters())
         ema_model.copy_to(model.parameters())
-    classes = torch.arange(min(10, model.config.num_embeds_ada_norm))  # the first 10
-    labels = classes.repeat_interleave(args.eval_batch_size).to(accelerator.device)
-    generator = torch.Generator().manual_seed(0)  # the same noise each time: progress shows
-    steps, scale = args.num_inference_steps, args.guidance_scale
-    images = sample_images(model, sampler, labels, scale, steps, vae, generator)
+    # A row for each of the dataset's first 10 classes (a VAE's model has 1000 rows, not all used).
+    classes = torch.arange(min(10, num_classes))
+    class_labels = classes.repeat_interleave(args.eval_batch_size).to(accelerator.device)
+    # The same noise each time, so that progress shows.
+    generator = torch.Generator().manual_seed(0)
+    images = sample_images(
+        model, sampler, class_labels, args.guidance_scale, args.num_inference_steps, vae, generator
+    )
     if ema_model is not None:
         ema_model.restore(model.parameters())
     model.train()
@@ -553,15 +630,18 @@ def sample_images(model, scheduler, class_labels, guidance_scale, steps, vae=Non
     x = torch.randn(shape, generator=generator).to(class_labels.device)
     null = torch.full_like(class_labels, model.config.num_embeds_ada_norm)
     scheduler.set_timesteps(steps)
-    for t in scheduler.timesteps:  # y and ∅ in a batch
-        inputs, labels = torch.cat([x, x]).to(model.dtype), torch.cat([class_labels, null])
-        output = model(inputs, t.expand(len(inputs)).to(x.device), labels).sample.float()
+    for t in scheduler.timesteps:
+        # y and ∅ in one batch.
+        inputs = torch.cat([x, x]).to(model.dtype)
+        both_labels = torch.cat([class_labels, null])
+        output = model(inputs, t.expand(len(inputs)).to(x.device), both_labels).sample.float()
         conditional, unconditional = output.chunk(2)
         # ε(x, ∅) + s·(ε(x, y) - ε(x, ∅)): s = 1 is the conditional model; s > 1 goes beyond.
         # The same mix serves v and flow's velocity: each is linear in ε and x.
         guided = unconditional + guidance_scale * (conditional - unconditional)
         x = scheduler.step(guided, t, x).prev_sample
-    if vae is not None:  # back from the latent space
+    # Back from the latent space.
+    if vae is not None:
         x = vae.decode((x / vae.config.scaling_factor).to(vae.dtype)).sample.float()
     return (x / 2 + 0.5).clamp(0, 1)
 
@@ -572,7 +652,8 @@ def save_pipeline(args, model, ema_model, sampler, names):
         ema_model.store(model.parameters())
         ema_model.copy_to(model.parameters())
     vae = None
-    if args.pretrained_vae_model_name_or_path:  # as on disk, not in the mixed-precision dtype
+    # The VAE as on disk, not in the mixed-precision dtype.
+    if args.pretrained_vae_model_name_or_path:
         vae = AutoencoderKL.from_pretrained(args.pretrained_vae_model_name_or_path)
     pipeline = DiTPipeline(transformer=model, vae=vae, scheduler=sampler)
     pipeline.register_to_config(id2label={i: str(name) for i, name in enumerate(names)})

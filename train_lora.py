@@ -13,7 +13,9 @@ import argparse
 import logging
 import math
 import os
+import re
 import shutil
+import signal
 from contextlib import contextmanager
 from dataclasses import replace
 from datetime import timedelta
@@ -50,7 +52,8 @@ def parse_args(argv=None):
     p.add_argument("--pretrained_model_name_or_path", required=True, help="SD 1.x hub id or folder")
     p.add_argument("--revision", help="The model's Git revision on the Hub (branch, tag, commit).")
     p.add_argument("--variant", help='Load the weight files of this variant, e.g. "fp16".')
-    source = p.add_mutually_exclusive_group(required=True)  # the images: one of the two
+    # The images come from one of two sources.
+    source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--dataset_name", help="A Hub dataset, or a folder `datasets` loads.")
     p.add_argument("--dataset_config_name", help="The dataset's configuration, if it has several.")
     source.add_argument("--train_data_dir", help="A folder of images (an imagefolder).")
@@ -86,7 +89,11 @@ def parse_args(argv=None):
     p.add_argument("--gradient_checkpointing", action="store_true", help="Less memory, slower.")
     p.add_argument("--rank", type=int, default=4, help="The rank r of each LoRA update B·A.")
     p.add_argument("--lora_alpha", type=float, help="The update's scale is α/r; default α = r.")
-    p.add_argument("--lora_target_modules", default="to_k,to_q,to_v,to_out.0", help="Linear layers")
+    p.add_argument(
+        "--lora_target_modules",
+        default="to_k,to_q,to_v,to_out.0",
+        help="Comma-separated names of the layers to adapt.",
+    )
     p.add_argument("--train_text_encoder", action="store_true", help="A LoRA on CLIP too.")
     p.add_argument("--learning_rate", type=float, default=1e-4, help="AdamW's LR after warm-up.")
     p.add_argument("--scale_lr", action="store_true", help="LR × total batch size.")
@@ -108,14 +115,19 @@ def parse_args(argv=None):
     )
     p.add_argument("--prediction_type", choices=["epsilon", "v_prediction"], help="Target: ε or v.")
     p.add_argument("--snr_gamma", type=float, help="Min-SNR-γ's γ (the paper: 5.0); default: off.")
-    p.add_argument("--noise_offset", type=float, default=0.0, help="Per-channel noise: dark/light.")
+    p.add_argument(
+        "--noise_offset",
+        type=float,
+        default=0.0,
+        help="Scale of a noise shift per channel: dark/light images.",
+    )
     p.add_argument("--checkpointing_steps", type=int, default=500, help="Checkpoint every N steps.")
     p.add_argument("--checkpoints_total_limit", type=int, help="Keep the newest N; default: all.")
     p.add_argument("--resume_from_checkpoint", help='checkpoint-N in --output_dir, or "latest".')
     p.add_argument("--push_to_hub", action="store_true", help="Upload to the Hub; log in first.")
     p.add_argument("--hub_model_id", help="The Hub repo; default: --output_dir's name.")
     p.add_argument("--hub_private_repo", action="store_true", help="Make the Hub repo private.")
-    p.add_argument("--hub_token", help="Left out: use `hf auth login` or HF_TOKEN.")
+    p.add_argument("--hub_token", help="Left out: run `hf auth login` or set HF_TOKEN instead.")
     p.add_argument("--local_rank", type=int, default=-1, help="Passed by old launchers; unused.")
     args = p.parse_args(argv)
     if args.cache_latents and not args.center_crop:
@@ -145,7 +157,8 @@ def main(args):
         ),
         # Every process draws the same permutation each epoch and takes its share of it.
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=args.seed),
-        step_scheduler_with_optimizer=False,  # the loop steps the LR once per optimizer step
+        # The loop steps the LR schedule once per optimizer step.
+        step_scheduler_with_optimizer=False,
         # The others wait up to 2 h while the main process validates.
         kwargs_handlers=[InitProcessGroupKwargs(backend=gloo, timeout=timedelta(hours=2))],
     )
@@ -153,70 +166,89 @@ def main(args):
     unwrap = partial(accelerator.unwrap_model, keep_torch_compile=False)
     if accelerator.mixed_precision == "fp16" and accelerator.device.type == "cpu":
         raise SystemExit("error: --mixed_precision fp16 needs a GPU; on a CPU use bf16 or no")
+    if args.use_8bit_adam and accelerator.device.type == "mps":
+        raise SystemExit("error: --use_8bit_adam: bitsandbytes has no 8-bit AdamW for Apple's MPS")
     plugin = accelerator.state.deepspeed_plugin
     if accelerator.distributed_type == DistributedType.FSDP or (plugin and plugin.zero_stage == 3):
-        raise SystemExit("error: launch with DDP or DeepSpeed ZeRO-1/2, not FSDP or ZeRO-3")
-    if plugin and args.train_text_encoder:  # accelerate gives DeepSpeed one model
+        why = "they split the frozen UNet, whose LoRA layers this script reads whole"
+        raise SystemExit(f"error: launch with DDP or DeepSpeed ZeRO-1/2, not FSDP or ZeRO-3: {why}")
+    # accelerate hands DeepSpeed one model.
+    if plugin and args.train_text_encoder:
         raise SystemExit("error: --train_text_encoder needs DDP, not DeepSpeed")
     logging.basicConfig(level=logging.INFO)
-    set_seed(args.seed)  # the same initial weights on every process
+    # SIGTERM (a scheduler's notice) or SIGINT (Ctrl-C): save and stop at the next read of the loss.
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: accelerator.set_trigger())
+    # The same initial weights on every process.
+    set_seed(args.seed)
     torch.backends.cuda.matmul.allow_tf32 = args.allow_tf32
     if args.push_to_hub and accelerator.is_main_process:
         repo_id = args.hub_model_id or os.path.basename(os.path.abspath(args.output_dir))
-        with clear_error("--push_to_hub"):  # now, not after hours of training
+        # Now, not after hours of training.
+        with clear_error("--push_to_hub"):
             repo = create_repo(repo_id, private=args.hub_private_repo, exist_ok=True)
 
     # 3. Models: the base pipeline's noise schedule, tokenizer, text encoder, VAE and UNet
-    path = args.pretrained_model_name_or_path
-    with clear_error(f"--pretrained_model_name_or_path {path}"):
+    base_path = args.pretrained_model_name_or_path
+    with clear_error(f"--pretrained_model_name_or_path {base_path}"):
         base = StableDiffusionPipeline.from_pretrained(
-            path,
+            base_path,
             revision=args.revision,
             variant=args.variant,
             cache_dir=args.cache_dir,
-            safety_checker=None,  # not needed to train
+            safety_checker=None,
             requires_safety_checker=False,
         )
-    noise_scheduler = DDPMScheduler.from_config(base.scheduler.config)  # the training schedule
-    tokenizer, text_encoder, vae, model = base.tokenizer, base.text_encoder, base.vae, base.unet
-    if args.prediction_type is not None:  # ε or v, as the saved scheduler will say
+    # The schedule of the forward process, as the base model was trained with.
+    noise_scheduler = DDPMScheduler.from_config(base.scheduler.config)
+    tokenizer, text_encoder, vae, unet = base.tokenizer, base.text_encoder, base.vae, base.unet
+    # ε or v, as the saved scheduler will say.
+    if args.prediction_type is not None:
         noise_scheduler.register_to_config(prediction_type=args.prediction_type)
     # All three are frozen, in the mixed-precision dtype: half the memory.
     dtypes = {"fp16": torch.float16, "bf16": torch.bfloat16}
     weight_dtype = dtypes.get(accelerator.mixed_precision, torch.float32)
-    for frozen in (vae, text_encoder, model):
+    for frozen in (vae, text_encoder, unet):
         frozen.requires_grad_(False).to(accelerator.device, dtype=weight_dtype)
     # LoRA: A Gaussian, B zero (so W' = W at first), as in the Diffusers example.
-    r, alpha, targets = args.rank, args.lora_alpha, args.lora_target_modules.split(",")
-    config = LoraConfig(r=r, lora_alpha=alpha, init_lora_weights="gaussian", target_modules=targets)
+    lora_config = LoraConfig(
+        r=args.rank,
+        lora_alpha=args.lora_alpha,
+        init_lora_weights="gaussian",
+        target_modules=args.lora_target_modules.split(","),
+    )
     with clear_error(f"--lora_target_modules {args.lora_target_modules}"):
-        model.add_adapter(config)
-    if args.train_text_encoder:  # on CLIP's attention projections, with the same r and α
-        targets = ["q_proj", "k_proj", "v_proj", "out_proj"]
+        unet.add_adapter(lora_config)
+    # On CLIP's attention projections, with the same r and α.
+    if args.train_text_encoder:
+        clip_targets = ["q_proj", "k_proj", "v_proj", "out_proj"]
         # peft's own call: transformers' add_adapter wraps it in a gate on peft's version.
-        inject_adapter_in_model(replace(config, target_modules=targets), text_encoder)
-    trained = [model, text_encoder] if args.train_text_encoder else [model]
+        inject_adapter_in_model(replace(lora_config, target_modules=clip_targets), text_encoder)
+    trained = [unet, text_encoder] if args.train_text_encoder else [unet]
     # A and B in fp32: fp16 gradients could not be unscaled, bf16 updates of 1e-4 would round away.
     cast_training_params(trained, dtype=torch.float32)
     lora_params = [p for m in trained for p in m.parameters() if p.requires_grad]
-    # Under bf16 the model computes with bf16 copies of A and B (fp32 ones cost casts at every
+    # Under bf16 the UNet computes with bf16 copies of A and B (fp32 ones cost casts at every
     # adapted layer) and the optimizer updates fp32 masters, as DeepSpeed does by itself.
     master_params = lora_params
     if weight_dtype == torch.bfloat16 and not plugin:
         master_params = [p.detach().clone() for p in lora_params]
         cast_training_params(trained, dtype=weight_dtype)
     if args.gradient_checkpointing:
-        model.enable_gradient_checkpointing()
+        unet.enable_gradient_checkpointing()
+    # Only a text encoder that learns runs backward; transformers checkpoints in training mode.
+    if args.gradient_checkpointing and args.train_text_encoder:
         text_encoder.gradient_checkpointing_enable()
-        text_encoder.train()  # transformers checkpoints in training mode only
+        text_encoder.train()
     ema_model = None
-    if args.use_ema:  # of A and B alone
+    # An EMA of A and B alone.
+    if args.use_ema:
         ema_model = EMAModel(master_params)
 
     # 4. Data: images resized, cropped, flipped, scaled to [-1, 1]; captions tokenized
     train_dataset = load_train_dataset(args, args.image_column)
     if args.instance_prompt is None and args.caption_column not in train_dataset.column_names:
-        # kohya's layout: a caption file beside each image (0001.png, 0001.txt)
+        # kohya's layout: a caption file beside each image (0001.png, 0001.txt).
         read = partial(read_caption, args=args)
         way_out = "give --instance_prompt (one prompt for all) or a caption file beside each image"
         with clear_error(f"no column {args.caption_column!r} (--caption_column); {way_out}"):
@@ -226,17 +258,20 @@ def main(args):
         train_dataset = train_dataset.shuffle(seed=args.seed).select(range(count))
     crop = transforms.CenterCrop if args.center_crop else transforms.RandomCrop
     interpolation = transforms.InterpolationMode[args.image_interpolation_mode.upper()]
+    # Pixels in [0, 1] become (x - 0.5) / 0.5, in [-1, 1].
     augment = transforms.Compose(
         [
             transforms.Resize(args.resolution, interpolation),
             crop(args.resolution),
             transforms.ToTensor(),
-            transforms.Normalize([0.5], [0.5]),  # [0, 1] -> [-1, 1]
+            transforms.Normalize([0.5], [0.5]),
         ]
     )
-    if args.cache_latents:  # the frozen VAE encodes each image once, here, not in every epoch
-        key = [train_dataset._fingerprint, path, args.revision, args.variant, args.resolution]
-        with accelerator.main_process_first():  # the others read its files
+    # --cache_latents: the frozen VAE encodes each image once, here, not in every epoch.
+    if args.cache_latents:
+        key = [train_dataset._fingerprint, base_path, args.revision, args.variant, args.resolution]
+        # The main process writes the cache; the others then read its files.
+        with accelerator.main_process_first():
             train_dataset = train_dataset.map(
                 partial(encode_latents, args=args, augment=augment, vae=vae),
                 batched=True,
@@ -245,14 +280,16 @@ def main(args):
                 new_fingerprint=Hasher.hash([*key, interpolation, args.random_flip, vae.dtype]),
             )
     size = args.resolution // 2 ** (len(vae.config.block_out_channels) - 1)
-    shape = (2 * vae.config.latent_channels, size, size)  # a latent's mean and log-variance
+    # A cached latent's shape: its μ and log σ², channel after channel.
+    shape = (2 * vae.config.latent_channels, size, size)
     transform = partial(preprocess, args=args, augment=augment, tokenizer=tokenizer, shape=shape)
     train_dataloader = torch.utils.data.DataLoader(
         train_dataset,
         batch_size=args.train_batch_size,
         shuffle=True,
         num_workers=args.dataloader_num_workers,
-        generator=torch.Generator().manual_seed(args.seed),  # not the global RNG: see preprocess
+        # Its own generator, not the global RNG: see preprocess.
+        generator=torch.Generator().manual_seed(args.seed),
     )
 
     # 5. Optimizer and LR schedule, over each process's share of the batches
@@ -276,7 +313,9 @@ def main(args):
     steps_per_epoch = math.ceil(len(train_dataloader) / accelerator.num_processes / accumulation)
     max_train_steps = args.max_train_steps or args.num_train_epochs * steps_per_epoch
     num_epochs = math.ceil(max_train_steps / steps_per_epoch)
-    if master_params is not lora_params:  # gradients in, weights out: a multi-tensor copy each
+    # Under bf16, before each step a hook copies the gradients of the bf16 copies into the fp32
+    # masters; after it, another copies the updated masters into the copies.
+    if master_params is not lora_params:
         grads = [torch.zeros_like(p) for p in master_params]
         optimizer.register_step_pre_hook(partial(to_masters, lora_params, master_params, grads))
         optimizer.register_step_post_hook(partial(to_copies, lora_params, master_params))
@@ -286,12 +325,14 @@ def main(args):
         num_warmup_steps=args.lr_warmup_steps,
         num_training_steps=max_train_steps,
     )
-    model, optimizer, train_dataloader, lr_scheduler = accelerator.prepare(
-        model, optimizer, train_dataloader, lr_scheduler
+    unet, optimizer, train_dataloader, lr_scheduler = accelerator.prepare(
+        unet, optimizer, train_dataloader, lr_scheduler
     )
-    if args.train_text_encoder:  # its LoRA learns too: DDP wraps it as well
+    # The text encoder's LoRA learns too: DDP wraps it as well.
+    if args.train_text_encoder:
         text_encoder = accelerator.prepare(text_encoder)
-    # Each process draws its own ε and t (the Diffusers examples: the same on every GPU).
+    # Each process draws its own ε and t. (The Diffusers unconditional example never seeds; its
+    # text-to-image examples seed every process alike, if given --seed: the same ε and t on each.)
     set_seed(args.seed, device_specific=True)
 
     # 6. Checkpoint hooks and resume. save_state stores the optimizer, LR schedule and every
@@ -299,16 +340,18 @@ def main(args):
     def save_model_hook(models, weights, output_dir):
         if accelerator.is_main_process:
             save_lora(output_dir, *map(unwrap, models))
-        weights.clear()  # saved above
+        # Saved above: accelerate must not store them again.
+        weights.clear()
 
+    # models: the UNet, then the text encoder if it learns (none under DeepSpeed, which loads them).
     def load_model_hook(models, input_dir):
-        if models:  # the UNet, then the text encoder
+        if models:
             saved = load_file(f"{input_dir}/pytorch_lora_weights.safetensors")
-            for model, prefix in zip(models, ["unet.", "text_encoder."]):
+            for module, prefix in zip(models, ["unet.", "text_encoder."]):
                 layers = {k[len(prefix) :]: v for k, v in saved.items() if k.startswith(prefix)}
-                if layers.keys() != get_peft_model_state_dict(unwrap(model)).keys():
+                if layers.keys() != get_peft_model_state_dict(unwrap(module)).keys():
                     raise ValueError(f"{input_dir} holds other LoRA layers than this run's")
-                set_peft_model_state_dict(unwrap(model), layers)
+                set_peft_model_state_dict(unwrap(module), layers)
             models.clear()
 
     accelerator.register_save_state_pre_hook(save_model_hook)
@@ -318,10 +361,11 @@ def main(args):
     if ema_model is not None:
         accelerator.register_for_checkpointing(ema_model)
     global_step = resume_from_checkpoint(accelerator, args)
-    if ema_model is not None:  # on the device, also when it was loaded
+    # The EMA goes to the device after the resume, which loads it on the CPU.
+    if ema_model is not None:
         ema_model.to(accelerator.device)
     first_epoch = global_step // steps_per_epoch
-    skip_batches = global_step % steps_per_epoch * accumulation
+    skip_batches = (global_step % steps_per_epoch) * accumulation
     hparams = {k: v for k, v in vars(args).items() if isinstance(v, (int, float, str))}
     accelerator.init_trackers("text2image-fine-tune", config=hparams)
 
@@ -331,29 +375,30 @@ def main(args):
         range(max_train_steps), initial=global_step, disable=not accelerator.is_local_main_process
     )
     # The loss is summed on the device, read every 10 steps: a read makes the CPU wait.
-    train_loss, logged_step = 0.0, global_step
+    train_loss = 0.0
+    logged_step = global_step
+    stopped = False
     for epoch in range(first_epoch, num_epochs):
-        model.train()
+        unet.train()
         train_dataset.set_transform(partial(transform, epoch=epoch))
-        train_dataloader.set_epoch(epoch)  # this epoch's permutation, also when resuming
+        # This epoch's permutation, also when resuming.
+        train_dataloader.set_epoch(epoch)
         batches = train_dataloader
-        if epoch == first_epoch and skip_batches:  # those the resumed checkpoint trained on
+        # A resumed run skips the batches its checkpoint has trained on.
+        if epoch == first_epoch and skip_batches:
             batches = accelerator.skip_first_batches(train_dataloader, skip_batches)
         for batch in batches:
-            with accelerator.accumulate(model, text_encoder):
-                with torch.no_grad():  # the frozen VAE
-                    # z_0 ~ q(z_0): a sample of the VAE's posterior N(μ, σ²), at unit variance.
-                    if args.cache_latents:
-                        posterior = DiagonalGaussianDistribution(batch["latent_moments"])
-                    else:
-                        posterior = vae.encode(batch["pixel_values"].to(vae.dtype)).latent_dist
-                    latents = posterior.sample().float() * vae.config.scaling_factor
+            with accelerator.accumulate(unet, text_encoder):
+                # z_0 ~ q(z_0): a batch of training images' latents.
+                latents = sample_latents(vae, batch, args)
                 # c: the caption's encoder states (autograd records them only if a weight learns).
                 encoder_hidden_states = text_encoder(batch["input_ids"])[0]
                 # ε ~ N(0, I): the noise to mix in.
                 noise = torch.randn_like(latents)
-                bsz, device = len(latents), latents.device
-                if args.noise_offset:  # shifts whole channels: learns very dark or light
+                bsz = len(latents)
+                device = latents.device
+                # The noise offset shifts whole channels, so that very dark or light images learn.
+                if args.noise_offset:
                     noise += args.noise_offset * torch.randn(*noise.shape[:2], 1, 1, device=device)
                 # t ~ U{0, ..., T-1}: a timestep per image.
                 T = noise_scheduler.config.num_train_timesteps
@@ -365,11 +410,11 @@ def main(args):
                     target = noise
                 else:
                     target = noise_scheduler.get_velocity(latents, noise, timesteps)
-                # ε_θ(z_t, t, c): the prediction. Its input is cast to the mixed-precision dtype,
-                # as DeepSpeed keeps the model's own weights in that dtype (autocast takes either).
+                # The model's prediction of the target, ε_θ(z_t, t, c) for ε. Its input is cast to
+                # the mixed-precision dtype, as DeepSpeed keeps the model's weights in that dtype.
                 noisy_latents = noisy_latents.to(weight_dtype)
-                model_output = model(noisy_latents, timesteps, encoder_hidden_states).sample
-                # ‖ε - ε_θ(z_t, t, c)‖²: the simplified loss (DDPM eq. 14), per image for Min-SNR-γ.
+                model_output = unet(noisy_latents, timesteps, encoder_hidden_states).sample
+                # ‖target - prediction‖²: the simple loss (DDPM eq. 14), per image for Min-SNR-γ.
                 loss = F.mse_loss(model_output.float(), target.float(), reduction="none")
                 loss = loss.mean(dim=[1, 2, 3])
                 if args.snr_gamma is not None:
@@ -384,21 +429,39 @@ def main(args):
                 optimizer.zero_grad()
                 train_loss += loss.detach() / accumulation
 
-            if accelerator.sync_gradients:  # an optimizer step happened
+            # An optimizer step happened.
+            if accelerator.sync_gradients:
                 lr_scheduler.step()
                 if ema_model is not None:
                     ema_model.step(master_params)
                 global_step += 1
                 progress_bar.update(1)
-                if global_step % 10 == 0 or global_step >= max_train_steps:
-                    steps, logged_step = global_step - logged_step, global_step
-                    loss_per_step = accelerator.reduce(train_loss, "mean").item() / steps
-                    logs = {"loss": loss_per_step, "lr": lr_scheduler.get_last_lr()[0]}
+                save = global_step % args.checkpointing_steps == 0
+                if global_step % 10 == 0 or save or global_step >= max_train_steps:
+                    # The mean loss of the steps since the last read, over every process.
+                    steps = global_step - logged_step
+                    mean_loss = accelerator.reduce(train_loss, "mean").item() / steps
+                    logs = {"loss": mean_loss, "lr": lr_scheduler.get_last_lr()[0]}
                     progress_bar.set_postfix(**logs)
                     accelerator.log(logs, step=global_step)
                     train_loss = 0.0
-                if global_step % args.checkpointing_steps == 0:
+                    logged_step = global_step
+                    # Diverged: stop before a checkpoint keeps the weights of a loss of inf or NaN.
+                    if not math.isfinite(mean_loss):
+                        raise SystemExit(
+                            f"error: the loss is {mean_loss} at step {global_step}; resume from a "
+                            "checkpoint before it with a lower --learning_rate, or bf16 for fp16"
+                        )
+                    # A signal to any process stops them all here, at the same step.
+                    stopped = accelerator.check_trigger()
+                if save or stopped:
                     save_checkpoint(accelerator, args, global_step)
+                if stopped:
+                    logger.info(
+                        f"Stopped at step {global_step}: go on with --resume_from_checkpoint latest"
+                    )
+                    # sysexits' EX_TEMPFAIL, "try again later": a status a scheduler can requeue.
+                    raise SystemExit(75)
             if global_step >= max_train_steps:
                 break
 
@@ -417,9 +480,12 @@ def main(args):
     if accelerator.is_main_process:
         if ema_model is not None:
             ema_model.copy_to(master_params)
-        for p, master in zip(lora_params, master_params):  # the files hold the fp32 masters
-            p.data = master
-        save_lora(args.output_dir, *trained)  # the UNet, and the text encoder if it learns
+        # Under bf16 the files take the fp32 masters, not the UNet's bf16 copies.
+        if master_params is not lora_params:
+            for p, master in zip(lora_params, master_params):
+                p.data = master
+        # The UNet's LoRA, and the text encoder's if it learns.
+        save_lora(args.output_dir, *trained)
         save_kohya(args)
         logger.info(f"Saved to {args.output_dir}")
         if args.push_to_hub:
@@ -440,13 +506,18 @@ def clear_error(flag):
 
 def load_train_dataset(args, *columns):
     """A hub dataset or an imagefolder, and a "row" column that seeds each image's crop and flip."""
-    name, config, files = args.dataset_name, args.dataset_config_name, None
+    name = args.dataset_name
+    files = None
     flag = f"--dataset_name {name}"
-    if name is None:  # an imagefolder: every image under --train_data_dir
-        name, files = "imagefolder", os.path.join(args.train_data_dir, "**")
+    # Without --dataset_name: an imagefolder of every image under --train_data_dir.
+    if name is None:
+        name = "imagefolder"
+        files = os.path.join(args.train_data_dir, "**")
         flag = f"--train_data_dir {args.train_data_dir}"
     with clear_error(flag):
-        dataset = datasets.load_dataset(name, config, data_files=files, cache_dir=args.cache_dir)
+        dataset = datasets.load_dataset(
+            name, args.dataset_config_name, data_files=files, cache_dir=args.cache_dir
+        )
         dataset = dataset["train"]
     for column in columns:
         if column not in dataset.column_names:
@@ -457,8 +528,9 @@ def load_train_dataset(args, *columns):
 
 
 def read_caption(item, args):
-    path = os.path.splitext(item["path"])[0] + args.caption_extension  # utf-8-sig: a Windows BOM
-    return {args.caption_column: Path(path).read_text(encoding="utf-8-sig").strip()}
+    """The caption file beside an image, read as utf-8-sig: a Windows editor's BOM is dropped."""
+    caption_file = os.path.splitext(item["path"])[0] + args.caption_extension
+    return {args.caption_column: Path(caption_file).read_text(encoding="utf-8-sig").strip()}
 
 
 def open_image(item):
@@ -470,28 +542,35 @@ def open_image(item):
 def preprocess(examples, args, augment, tokenizer, shape, epoch):
     """Images to tensors (cached: their latents' moments), captions to token ids. As in
     train_unconditional, crop, flip and caption choice come from a seed of (seed, epoch, row)."""
-    batch, captions = {"pixel_values": [], "latent_moments": []}, []
+    batch = {"pixel_values": [], "latent_moments": []}
+    captions = []
     for i, row in enumerate(examples["row"]):
         with torch.random.fork_rng(devices=[]):
-            seed = (args.seed * 1_000_003 + epoch) * 1_000_003 + row  # one per image and epoch
-            torch.default_generator.manual_seed(seed % 2**32)  # torch keeps 32 bits of a seed
-            flip = args.random_flip and bool(torch.rand(()) < 0.5)  # no draw if no flip
-            if args.cache_latents:  # the moments of both sides are cached: pick one
+            # One seed per image and epoch; torch keeps 32 bits of a seed.
+            seed = (args.seed * 1_000_003 + epoch) * 1_000_003 + row
+            torch.default_generator.manual_seed(seed % 2**32)
+            # Drawn only with --random_flip: without it, the crop's draws stay the same.
+            flip = args.random_flip and bool(torch.rand(()) < 0.5)
+            # The moments of both sides are cached: the flip picks one.
+            if args.cache_latents:
                 data = bytearray(examples["latent_moments"][i])
                 moments = torch.frombuffer(data, dtype=torch.float32).view(-1, *shape)
                 batch["latent_moments"].append(moments[int(flip)])
             else:
                 pixels = augment(open_image(examples[args.image_column][i]).convert("RGB"))
                 batch["pixel_values"].append(pixels.flip(-1) if flip else pixels)
-            caption = args.instance_prompt or examples[args.caption_column][i] or ""  # None: ∅
-            if not isinstance(caption, str):  # a list of captions: one of them
+            # --instance_prompt over the image's own caption; a missing caption (None) is ∅.
+            caption = args.instance_prompt or examples[args.caption_column][i] or ""
+            # A list of captions: one of them.
+            if not isinstance(caption, str):
                 caption = caption[torch.randint(len(caption), ())]
             if args.caption_dropout_rate and torch.rand(()) < args.caption_dropout_rate:
                 # The empty prompt ∅, for guidance.
                 caption = ""
             captions.append(caption)
     batch = {name: values for name, values in batch.items() if len(values)}
-    tokens = tokenizer(captions, padding="max_length", truncation=True)  # to CLIP's 77 tokens
+    # Padded or cut to the tokenizer's length, CLIP's 77 tokens.
+    tokens = tokenizer(captions, padding="max_length", truncation=True)
     batch["input_ids"] = torch.tensor(tokens.input_ids)
     return batch
 
@@ -507,19 +586,31 @@ def encode_latents(examples, args, augment, vae):
     return {"latent_moments": [m.float().cpu().numpy().tobytes() for m in moments]}
 
 
+@torch.no_grad()
+def sample_latents(vae, batch, args):
+    """The batch's latents (x_0 or z_0): a sample of the VAE's posterior N(μ, σ²) of each image,
+    from its pixels or its cached μ and log σ², scaled to unit variance."""
+    if args.cache_latents:
+        posterior = DiagonalGaussianDistribution(batch["latent_moments"])
+    else:
+        posterior = vae.encode(batch["pixel_values"].to(vae.dtype)).latent_dist
+    return posterior.sample().float() * vae.config.scaling_factor
+
+
 def min_snr_weights(noise_scheduler, timesteps, snr_gamma):
-    """Min-SNR-γ (Hang et al. 2023): weights min(SNR(t), γ) / SNR(t), or / (SNR(t) + 1) for v;
-    SNR(t) = ᾱ_t / (1 - ᾱ_t). The nearly clean timesteps no longer dominate the gradient."""
+    """Min-SNR-γ (Hang et al. 2023): the loss on x_0 weighted by min(SNR(t), γ), with SNR(t) =
+    ᾱ_t / (1 - ᾱ_t), so that the nearly clean timesteps no longer dominate the gradient. The loss
+    on ε is the loss on x_0 times SNR(t), on v times SNR(t) + 1: divide by them."""
     snr = compute_snr(noise_scheduler, timesteps)
-    v_target = noise_scheduler.config.prediction_type == "v_prediction"
-    return snr.clamp(max=snr_gamma) / (snr + 1 if v_target else snr)
+    divisors = {"epsilon": snr, "v_prediction": snr + 1, "sample": 1}
+    return snr.clamp(max=snr_gamma) / divisors[noise_scheduler.config.prediction_type]
 
 
 def list_checkpoints(output_dir):
     """The checkpoint-N folders in output_dir, oldest first."""
     names = os.listdir(output_dir) if os.path.isdir(output_dir) else []
-    names = [n for n in names if n.startswith("checkpoint-") and n[11:].isdigit()]
-    return sorted(names, key=lambda n: int(n[11:]))
+    names = [n for n in names if re.fullmatch(r"checkpoint-\d+", n)]
+    return sorted(names, key=lambda n: int(n.split("-")[1]))
 
 
 def save_checkpoint(accelerator, args, global_step):
@@ -531,11 +622,12 @@ def save_checkpoint(accelerator, args, global_step):
         old = list_checkpoints(args.output_dir)
         for name in old[: max(0, len(old) - args.checkpoints_total_limit + 1)]:
             shutil.rmtree(f"{args.output_dir}/{name}")
-    # on every process: each writes its RNG states; DeepSpeed stores no frozen weights
+    # On every process: each writes its RNG states. DeepSpeed stores no frozen weights.
     accelerator.save_state(tmp, exclude_frozen_parameters=True)
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
-        shutil.rmtree(path, ignore_errors=True)  # from a run before this one's resume
+        # A checkpoint-N of a run before this one's resume gives way.
+        shutil.rmtree(path, ignore_errors=True)
         os.rename(tmp, path)
         logger.info(f"Saved {path}")
 
@@ -543,26 +635,33 @@ def save_checkpoint(accelerator, args, global_step):
 def resume_from_checkpoint(accelerator, args):
     """Load --resume_from_checkpoint (`latest`: the newest, if any) and return its step."""
     name = args.resume_from_checkpoint
-    if name == "latest":  # none yet: a new run
-        name = (list_checkpoints(args.output_dir) or [None])[-1]
+    if name == "latest":
+        found = list_checkpoints(args.output_dir)
+        # None yet: a new run.
+        name = found[-1] if found else None
     if name is None:
         return 0
-    path = os.path.join(args.output_dir, os.path.basename(os.path.normpath(name)))
-    with clear_error(f"--resume_from_checkpoint {path}"):  # missing, partial, another run's
-        accelerator.load_state(path, load_module_strict=False)  # DeepSpeed: the LoRA alone
-        logger.info(f"Resumed from {path}")
-        return int(path.rsplit("-", 1)[1])
+    checkpoint = os.path.join(args.output_dir, os.path.basename(os.path.normpath(name)))
+    # A checkpoint that is missing, half written or another run's ends in one line.
+    with clear_error(f"--resume_from_checkpoint {checkpoint}"):
+        # DeepSpeed's files hold the LoRA alone, not the frozen weights.
+        accelerator.load_state(checkpoint, load_module_strict=False)
+        logger.info(f"Resumed from {checkpoint}")
+        return int(checkpoint.rsplit("-", 1)[1])
 
 
 def log_validation(accelerator, args, pipeline, ema_model, global_step, lora_params):
     """A row per prompt: its images at LoRA scale 0 (the base model), then at scale 1."""
     unet = pipeline.unet
-    unet.eval()  # no dropout while sampling
-    if ema_model is not None:  # sample with the EMA weights, then put the trained ones back
+    # No dropout while sampling.
+    unet.eval()
+    # Sample with the EMA weights, then put the trained ones back.
+    if ema_model is not None:
         ema_model.store(lora_params)
         ema_model.copy_to(lora_params)
     pipeline.set_progress_bar_config(disable=True)
-    n, images = args.num_validation_images, []
+    n = args.num_validation_images
+    images = []
     for scale in (0, 1):
         kwargs = dict(num_images_per_prompt=n, cross_attention_kwargs={"scale": scale})
         images.append(generate(accelerator, args, pipeline, **kwargs).split(n))
@@ -574,7 +673,8 @@ def log_validation(accelerator, args, pipeline, ema_model, global_step, lora_par
 
 
 def to_masters(lora_params, master_params, grads, *hook_args):
-    """Before a step: the bf16 copies' gradients into the fp32 masters'."""
+    """The optimizer's pre-step hook: the gradients of the bf16 copies, cast into the fp32
+    masters' (one multi-tensor copy: one kernel, where a loop of copies would launch one each)."""
     torch._foreach_copy_(grads, [p.grad for p in lora_params])
     for master, grad in zip(master_params, grads):
         master.grad = grad
@@ -582,7 +682,8 @@ def to_masters(lora_params, master_params, grads, *hook_args):
 
 @torch.no_grad()
 def to_copies(lora_params, master_params, *hook_args):
-    """After it: the masters into the copies, whose gradients start anew."""
+    """The optimizer's post-step hook: the updated masters, rounded into the bf16 copies, whose
+    gradients start anew."""
     torch._foreach_copy_(lora_params, master_params)
     for p in lora_params:
         p.grad = None
@@ -608,9 +709,9 @@ def save_lora(output_dir, *models):
     config beside them, else loaders take α = r. (diffusers' older names cover attention only: with
     wider targets diffusers would load a third of the layers.)"""
     saved = {}
-    for name, model in zip(["unet", "text_encoder"], models):
-        saved[f"{name}_lora_layers"] = get_peft_model_state_dict(model)
-        saved[f"{name}_lora_adapter_metadata"] = model.peft_config["default"].to_dict()
+    for name, module in zip(["unet", "text_encoder"], models):
+        saved[f"{name}_lora_layers"] = get_peft_model_state_dict(module)
+        saved[f"{name}_lora_adapter_metadata"] = module.peft_config["default"].to_dict()
     StableDiffusionPipeline.save_lora_weights(output_dir, **saved)
 
 
@@ -619,11 +720,13 @@ def save_kohya(args):
     α = r; transformers 5's CLIP lacks the text_model level."""
     layers = load_file(f"{args.output_dir}/pytorch_lora_weights.safetensors")
     for k in [k for k in layers if k.startswith("text_encoder.")]:
-        layers["text_encoder.text_model." + k[13:].removeprefix("text_model.")] = layers.pop(k)
+        clip_key = k.removeprefix("text_encoder.").removeprefix("text_model.")
+        layers[f"text_encoder.text_model.{clip_key}"] = layers.pop(k)
     kohya = convert_state_dict_to_kohya(layers)
     kohya = {k.replace("lora_te1_", "lora_te_"): v for k, v in kohya.items()}
     kohya |= {k: torch.tensor(args.lora_alpha) for k in kohya if k.endswith(".alpha")}
-    name = os.path.basename(os.path.abspath(args.output_dir))  # also for --output_dir .
+    # The folder's name, also for --output_dir .
+    name = os.path.basename(os.path.abspath(args.output_dir))
     save_file(kohya, f"{args.output_dir}/{name}.safetensors")
 
 

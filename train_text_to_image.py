@@ -14,7 +14,9 @@ import argparse
 import logging
 import math
 import os
+import re
 import shutil
+import signal
 from contextlib import contextmanager
 from datetime import timedelta
 from functools import partial
@@ -37,6 +39,7 @@ from diffusers.training_utils import EMAModel, compute_snr
 from huggingface_hub import create_repo, upload_folder
 from torchvision import transforms
 from tqdm.auto import tqdm
+from transformers.integrations import unset_hf_deepspeed_config
 
 logger = get_logger(__name__)
 
@@ -48,7 +51,8 @@ def parse_args(argv=None):
     p.add_argument("--revision", help="The model's Git revision on the Hub (branch, tag, commit).")
     p.add_argument("--variant", help='Load the weight files of this variant, e.g. "fp16".')
     p.add_argument("--non_ema_revision", help="Left out: use --revision.")
-    source = p.add_mutually_exclusive_group(required=True)  # the images: one of the two
+    # The images come from one of two sources.
+    source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--dataset_name", help="A Hub dataset, or a folder `datasets` loads.")
     p.add_argument("--dataset_config_name", help="The dataset's configuration, if it has several.")
     source.add_argument("--train_data_dir", help="A folder of images (an imagefolder).")
@@ -104,17 +108,29 @@ def parse_args(argv=None):
     )
     p.add_argument("--prediction_type", choices=["epsilon", "v_prediction"], help="Target: ε or v.")
     p.add_argument("--snr_gamma", type=float, help="Min-SNR-γ's γ (the paper: 5.0); default: off.")
-    p.add_argument("--noise_offset", type=float, default=0.0, help="Per-channel noise: dark/light.")
-    p.add_argument("--input_perturbation", type=float, default=0.0, help="Input perturbation γ.")
+    p.add_argument(
+        "--noise_offset",
+        type=float,
+        default=0.0,
+        help="Scale of a noise shift per channel: dark/light images.",
+    )
+    p.add_argument(
+        "--input_perturbation",
+        type=float,
+        default=0.0,
+        help="γ of extra noise γ·ξ in z_t, not in the target (0.1).",
+    )
     p.add_argument("--dream_training", action="store_true", help="Left out: a new objective.")
-    p.add_argument("--dream_detail_preservation", type=float, help="Only for --dream_training.")
+    p.add_argument(
+        "--dream_detail_preservation", type=float, help="Ignored: only --dream_training reads it."
+    )
     p.add_argument("--checkpointing_steps", type=int, default=500, help="Checkpoint every N steps.")
     p.add_argument("--checkpoints_total_limit", type=int, help="Keep the newest N; default: all.")
     p.add_argument("--resume_from_checkpoint", help='checkpoint-N in --output_dir, or "latest".')
     p.add_argument("--push_to_hub", action="store_true", help="Upload to the Hub; log in first.")
     p.add_argument("--hub_model_id", help="The Hub repo; default: --output_dir's name.")
     p.add_argument("--hub_private_repo", action="store_true", help="Make the Hub repo private.")
-    p.add_argument("--hub_token", help="Left out: use `hf auth login` or HF_TOKEN.")
+    p.add_argument("--hub_token", help="Left out: run `hf auth login` or set HF_TOKEN instead.")
     p.add_argument("--local_rank", type=int, default=-1, help="Passed by old launchers; unused.")
     args = p.parse_args(argv)
     if args.cache_latents and not args.center_crop:
@@ -127,6 +143,7 @@ def parse_args(argv=None):
     ignored = {
         "enable_xformers_memory_efficient_attention": "PyTorch's SDPA attention is used",
         "offload_ema": "memory only; the EMA stays on the device",
+        "dream_detail_preservation": "only --dream_training reads it, which is left out",
     }
     for flag, value in vars(args).items():
         if value and flag in refused:
@@ -150,7 +167,8 @@ def main(args):
         ),
         # Every process draws the same permutation each epoch and takes its share of it.
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=args.seed),
-        step_scheduler_with_optimizer=False,  # the loop steps the LR once per optimizer step
+        # The loop steps the LR schedule once per optimizer step.
+        step_scheduler_with_optimizer=False,
         # The others wait up to 2 h while the main process validates.
         kwargs_handlers=[InitProcessGroupKwargs(backend=gloo, timeout=timedelta(hours=2))],
     )
@@ -158,31 +176,49 @@ def main(args):
     unwrap = partial(accelerator.unwrap_model, keep_torch_compile=False)
     if accelerator.mixed_precision == "fp16" and accelerator.device.type == "cpu":
         raise SystemExit("error: --mixed_precision fp16 needs a GPU; on a CPU use bf16 or no")
+    if args.use_8bit_adam and accelerator.device.type == "mps":
+        raise SystemExit("error: --use_8bit_adam: bitsandbytes has no 8-bit AdamW for Apple's MPS")
     plugin = accelerator.state.deepspeed_plugin
-    if accelerator.distributed_type == DistributedType.FSDP or (plugin and plugin.zero_stage == 3):
-        raise SystemExit("error: launch with DDP or DeepSpeed ZeRO-1/2, not FSDP or ZeRO-3")
+    # ZeRO-3 splits the UNet's weights, its gradients and its optimizer state over the processes.
+    sharded = plugin is not None and plugin.zero_stage == 3
+    if accelerator.distributed_type == DistributedType.FSDP:
+        raise SystemExit("error: launch with DDP or DeepSpeed, not FSDP")
+    if sharded and (args.use_ema or not plugin.zero3_save_16bit_model):
+        raise SystemExit("error: ZeRO-3 needs --zero3_save_16bit_model true and no --use_ema")
     logging.basicConfig(level=logging.INFO)
-    set_seed(args.seed)  # the same initial weights on every process
+    # SIGTERM (a scheduler's notice) or SIGINT (Ctrl-C): save and stop at the next read of the loss.
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: accelerator.set_trigger())
+    # The same initial weights on every process.
+    set_seed(args.seed)
     torch.backends.cuda.matmul.allow_tf32 = args.allow_tf32
     if args.push_to_hub and accelerator.is_main_process:
         repo_id = args.hub_model_id or os.path.basename(os.path.abspath(args.output_dir))
-        with clear_error("--push_to_hub"):  # now, not after hours of training
+        # Now, not after hours of training.
+        with clear_error("--push_to_hub"):
             repo = create_repo(repo_id, private=args.hub_private_repo, exist_ok=True)
 
     # 3. Models: the base pipeline's noise schedule, tokenizer, text encoder, VAE and UNet
-    path = args.pretrained_model_name_or_path
-    with clear_error(f"--pretrained_model_name_or_path {path}"):
+    base_path = args.pretrained_model_name_or_path
+    # Under ZeRO-3 accelerate tells transformers to load CLIP in shards; the frozen models run
+    # outside DeepSpeed, whole. (The Diffusers example's zero3_init_context_manager(enable=False)
+    # leaves that switch on in accelerate 1.15.) DeepSpeed splits the UNet in prepare.
+    if sharded:
+        unset_hf_deepspeed_config()
+    with clear_error(f"--pretrained_model_name_or_path {base_path}"):
         base = StableDiffusionPipeline.from_pretrained(
-            path,
+            base_path,
             revision=args.revision,
             variant=args.variant,
             cache_dir=args.cache_dir,
-            safety_checker=None,  # not needed to train
+            safety_checker=None,
             requires_safety_checker=False,
         )
-    noise_scheduler = DDPMScheduler.from_config(base.scheduler.config)  # the training schedule
-    tokenizer, text_encoder, vae, model = base.tokenizer, base.text_encoder, base.vae, base.unet
-    if args.prediction_type is not None:  # ε or v, as the saved scheduler will say
+    # The schedule of the forward process, as the base model was trained with.
+    noise_scheduler = DDPMScheduler.from_config(base.scheduler.config)
+    tokenizer, text_encoder, vae, unet = base.tokenizer, base.text_encoder, base.vae, base.unet
+    # ε or v, as the saved scheduler will say.
+    if args.prediction_type is not None:
         noise_scheduler.register_to_config(prediction_type=args.prediction_type)
     # Only the UNet learns. It keeps fp32 weights for the optimizer, and autocast (or DeepSpeed)
     # runs it in the mixed-precision dtype, the dtype of the frozen models.
@@ -191,20 +227,21 @@ def main(args):
     vae.requires_grad_(False).to(accelerator.device, dtype=weight_dtype)
     text_encoder.requires_grad_(False).to(accelerator.device, dtype=weight_dtype)
     if args.gradient_checkpointing:
-        model.enable_gradient_checkpointing()
+        unet.enable_gradient_checkpointing()
     ema_model = None
-    if args.use_ema:  # of the whole UNet, saved with its config
+    # An EMA of the whole UNet, saved with its config.
+    if args.use_ema:
         ema_model = EMAModel(
-            model.parameters(),
+            unet.parameters(),
             model_cls=UNet2DConditionModel,
-            model_config=model.config,
+            model_config=unet.config,
             foreach=args.foreach_ema,
         )
 
     # 4. Data: images resized, cropped, flipped, scaled to [-1, 1]; captions tokenized
     train_dataset = load_train_dataset(args, args.image_column)
     if args.instance_prompt is None and args.caption_column not in train_dataset.column_names:
-        # kohya's layout: a caption file beside each image (0001.png, 0001.txt)
+        # kohya's layout: a caption file beside each image (0001.png, 0001.txt).
         read = partial(read_caption, args=args)
         way_out = "give --instance_prompt (one prompt for all) or a caption file beside each image"
         with clear_error(f"no column {args.caption_column!r} (--caption_column); {way_out}"):
@@ -214,17 +251,20 @@ def main(args):
         train_dataset = train_dataset.shuffle(seed=args.seed).select(range(count))
     crop = transforms.CenterCrop if args.center_crop else transforms.RandomCrop
     interpolation = transforms.InterpolationMode[args.image_interpolation_mode.upper()]
+    # Pixels in [0, 1] become (x - 0.5) / 0.5, in [-1, 1].
     augment = transforms.Compose(
         [
             transforms.Resize(args.resolution, interpolation),
             crop(args.resolution),
             transforms.ToTensor(),
-            transforms.Normalize([0.5], [0.5]),  # [0, 1] -> [-1, 1]
+            transforms.Normalize([0.5], [0.5]),
         ]
     )
-    if args.cache_latents:  # the frozen VAE encodes each image once, here, not in every epoch
-        key = [train_dataset._fingerprint, path, args.revision, args.variant, args.resolution]
-        with accelerator.main_process_first():  # the others read its files
+    # --cache_latents: the frozen VAE encodes each image once, here, not in every epoch.
+    if args.cache_latents:
+        key = [train_dataset._fingerprint, base_path, args.revision, args.variant, args.resolution]
+        # The main process writes the cache; the others then read its files.
+        with accelerator.main_process_first():
             train_dataset = train_dataset.map(
                 partial(encode_latents, args=args, augment=augment, vae=vae),
                 batched=True,
@@ -233,14 +273,16 @@ def main(args):
                 new_fingerprint=Hasher.hash([*key, interpolation, args.random_flip, vae.dtype]),
             )
     size = args.resolution // 2 ** (len(vae.config.block_out_channels) - 1)
-    shape = (2 * vae.config.latent_channels, size, size)  # a latent's mean and log-variance
+    # A cached latent's shape: its μ and log σ², channel after channel.
+    shape = (2 * vae.config.latent_channels, size, size)
     transform = partial(preprocess, args=args, augment=augment, tokenizer=tokenizer, shape=shape)
     train_dataloader = torch.utils.data.DataLoader(
         train_dataset,
         batch_size=args.train_batch_size,
         shuffle=True,
         num_workers=args.dataloader_num_workers,
-        generator=torch.Generator().manual_seed(args.seed),  # not the global RNG: see preprocess
+        # Its own generator, not the global RNG: see preprocess.
+        generator=torch.Generator().manual_seed(args.seed),
     )
 
     # 5. Optimizer and LR schedule, over each process's share of the batches
@@ -255,7 +297,7 @@ def main(args):
 
         optimizer_class = bitsandbytes.optim.AdamW8bit
     optimizer = optimizer_class(
-        model.parameters(),
+        unet.parameters(),
         lr=args.learning_rate,
         betas=(args.adam_beta1, args.adam_beta2),
         weight_decay=args.adam_weight_decay,
@@ -270,20 +312,23 @@ def main(args):
         num_warmup_steps=args.lr_warmup_steps,
         num_training_steps=max_train_steps,
     )
-    model, optimizer, train_dataloader, lr_scheduler = accelerator.prepare(
-        model, optimizer, train_dataloader, lr_scheduler
+    unet, optimizer, train_dataloader, lr_scheduler = accelerator.prepare(
+        unet, optimizer, train_dataloader, lr_scheduler
     )
-    # Each process draws its own ε and t (the Diffusers examples: the same on every GPU).
+    # Each process draws its own ε and t. (The Diffusers unconditional example never seeds; its
+    # text-to-image examples seed every process alike, if given --seed: the same ε and t on each.)
     set_seed(args.seed, device_specific=True)
 
     # 6. Checkpoint hooks and resume. save_state stores the optimizer, LR schedule and every
     #    process's RNG states; the hooks add the model (and EMA) as `from_pretrained` folders.
     def save_model_hook(models, weights, output_dir):
-        if accelerator.is_main_process:
+        # Under ZeRO-3 each process holds a part of the UNet, which DeepSpeed's files store.
+        if accelerator.is_main_process and not sharded:
             unwrap(models[0]).save_pretrained(f"{output_dir}/unet")
             if ema_model is not None:
                 ema_model.save_pretrained(f"{output_dir}/unet_ema")
-        weights.clear()  # saved above
+        # Saved above: accelerate must not store them again.
+        weights.clear()
 
     def load_model_hook(models, input_dir):
         if models:
@@ -296,10 +341,11 @@ def main(args):
     accelerator.register_save_state_pre_hook(save_model_hook)
     accelerator.register_load_state_pre_hook(load_model_hook)
     global_step = resume_from_checkpoint(accelerator, args)
-    if ema_model is not None:  # on the device, also when it was loaded
+    # The EMA goes to the device after the resume, which loads it on the CPU.
+    if ema_model is not None:
         ema_model.to(accelerator.device)
     first_epoch = global_step // steps_per_epoch
-    skip_batches = global_step % steps_per_epoch * accumulation
+    skip_batches = (global_step % steps_per_epoch) * accumulation
     hparams = {k: v for k, v in vars(args).items() if isinstance(v, (int, float, str))}
     accelerator.init_trackers(args.tracker_project_name, config=hparams)
 
@@ -309,29 +355,30 @@ def main(args):
         range(max_train_steps), initial=global_step, disable=not accelerator.is_local_main_process
     )
     # The loss is summed on the device, read every 10 steps: a read makes the CPU wait.
-    train_loss, logged_step = 0.0, global_step
+    train_loss = 0.0
+    logged_step = global_step
+    stopped = False
     for epoch in range(first_epoch, num_epochs):
-        model.train()
+        unet.train()
         train_dataset.set_transform(partial(transform, epoch=epoch))
-        train_dataloader.set_epoch(epoch)  # this epoch's permutation, also when resuming
+        # This epoch's permutation, also when resuming.
+        train_dataloader.set_epoch(epoch)
         batches = train_dataloader
-        if epoch == first_epoch and skip_batches:  # those the resumed checkpoint trained on
+        # A resumed run skips the batches its checkpoint has trained on.
+        if epoch == first_epoch and skip_batches:
             batches = accelerator.skip_first_batches(train_dataloader, skip_batches)
         for batch in batches:
-            with accelerator.accumulate(model):
-                with torch.no_grad():  # the frozen VAE
-                    # z_0 ~ q(z_0): a sample of the VAE's posterior N(μ, σ²), at unit variance.
-                    if args.cache_latents:
-                        posterior = DiagonalGaussianDistribution(batch["latent_moments"])
-                    else:
-                        posterior = vae.encode(batch["pixel_values"].to(vae.dtype)).latent_dist
-                    latents = posterior.sample().float() * vae.config.scaling_factor
+            with accelerator.accumulate(unet):
+                # z_0 ~ q(z_0): a batch of training images' latents.
+                latents = sample_latents(vae, batch, args)
                 # c: the caption's encoder states (autograd records them only if a weight learns).
                 encoder_hidden_states = text_encoder(batch["input_ids"])[0]
                 # ε ~ N(0, I): the noise to mix in.
                 noise = torch.randn_like(latents)
-                bsz, device = len(latents), latents.device
-                if args.noise_offset:  # shifts whole channels: learns very dark or light
+                bsz = len(latents)
+                device = latents.device
+                # The noise offset shifts whole channels, so that very dark or light images learn.
+                if args.noise_offset:
                     noise += args.noise_offset * torch.randn(*noise.shape[:2], 1, 1, device=device)
                 # t ~ U{0, ..., T-1}: a timestep per image.
                 T = noise_scheduler.config.num_train_timesteps
@@ -348,11 +395,11 @@ def main(args):
                     target = noise
                 else:
                     target = noise_scheduler.get_velocity(latents, noise, timesteps)
-                # ε_θ(z_t, t, c): the prediction. Its input is cast to the mixed-precision dtype,
-                # as DeepSpeed keeps the model's own weights in that dtype (autocast takes either).
+                # The model's prediction of the target, ε_θ(z_t, t, c) for ε. Its input is cast to
+                # the mixed-precision dtype, as DeepSpeed keeps the model's weights in that dtype.
                 noisy_latents = noisy_latents.to(weight_dtype)
-                model_output = model(noisy_latents, timesteps, encoder_hidden_states).sample
-                # ‖ε - ε_θ(z_t, t, c)‖²: the simplified loss (DDPM eq. 14), per image for Min-SNR-γ.
+                model_output = unet(noisy_latents, timesteps, encoder_hidden_states).sample
+                # ‖target - prediction‖²: the simple loss (DDPM eq. 14), per image for Min-SNR-γ.
                 loss = F.mse_loss(model_output.float(), target.float(), reduction="none")
                 loss = loss.mean(dim=[1, 2, 3])
                 if args.snr_gamma is not None:
@@ -361,34 +408,53 @@ def main(args):
                 # ∇_θ of the loss, averaged over processes; clipped once every micro-batch is in.
                 accelerator.backward(loss)
                 if accelerator.sync_gradients:
-                    accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+                    accelerator.clip_grad_norm_(unet.parameters(), args.max_grad_norm)
                 # A gradient step (accelerate skips it until the last micro-batch).
                 optimizer.step()
                 optimizer.zero_grad()
                 train_loss += loss.detach() / accumulation
 
-            if accelerator.sync_gradients:  # an optimizer step happened
+            # An optimizer step happened.
+            if accelerator.sync_gradients:
                 lr_scheduler.step()
                 if ema_model is not None:
-                    ema_model.step(model.parameters())
+                    ema_model.step(unet.parameters())
                 global_step += 1
                 progress_bar.update(1)
-                if global_step % 10 == 0 or global_step >= max_train_steps:
-                    steps, logged_step = global_step - logged_step, global_step
-                    loss_per_step = accelerator.reduce(train_loss, "mean").item() / steps
-                    logs = {"loss": loss_per_step, "lr": lr_scheduler.get_last_lr()[0]}
+                save = global_step % args.checkpointing_steps == 0
+                if global_step % 10 == 0 or save or global_step >= max_train_steps:
+                    # The mean loss of the steps since the last read, over every process.
+                    steps = global_step - logged_step
+                    mean_loss = accelerator.reduce(train_loss, "mean").item() / steps
+                    logs = {"loss": mean_loss, "lr": lr_scheduler.get_last_lr()[0]}
                     progress_bar.set_postfix(**logs)
                     accelerator.log(logs, step=global_step)
                     train_loss = 0.0
-                if global_step % args.checkpointing_steps == 0:
+                    logged_step = global_step
+                    # Diverged: stop before a checkpoint keeps the weights of a loss of inf or NaN.
+                    if not math.isfinite(mean_loss):
+                        raise SystemExit(
+                            f"error: the loss is {mean_loss} at step {global_step}; resume from a "
+                            "checkpoint before it with a lower --learning_rate, or bf16 for fp16"
+                        )
+                    # A signal to any process stops them all here, at the same step.
+                    stopped = accelerator.check_trigger()
+                if save or stopped:
                     save_checkpoint(accelerator, args, global_step)
+                if stopped:
+                    logger.info(
+                        f"Stopped at step {global_step}: go on with --resume_from_checkpoint latest"
+                    )
+                    # sysexits' EX_TEMPFAIL, "try again later": a status a scheduler can requeue.
+                    raise SystemExit(75)
             if global_step >= max_train_steps:
                 break
 
         # 8. Validation: the prompts from fixed noise, with the EMA weights if any
         last_epoch = epoch == num_epochs - 1 or global_step >= max_train_steps
         validate = args.validation_prompts and (epoch % args.validation_epochs == 0 or last_epoch)
-        if validate and accelerator.is_main_process:
+        # Under ZeRO-3 every process runs the UNet, of which each holds a part.
+        if validate and (accelerator.is_main_process or sharded):
             # The base pipeline holds the very modules that train: no second copy, none cast.
             base.scheduler = DPMSolverMultistepScheduler.from_config(noise_scheduler.config)
             log_validation(accelerator, args, base, ema_model, global_step)
@@ -397,14 +463,22 @@ def main(args):
 
     # 9. Final save: the whole pipeline, the frozen parts as they are on disk, the UNet with the
     #    EMA weights if any
+    # On every process: under ZeRO-3 each sends its part of the weights.
+    unet_weights = accelerator.get_state_dict(unet)
     if accelerator.is_main_process:
-        unet = unwrap(model)
+        trained_unet = UNet2DConditionModel.from_config(unwrap(unet).config)
+        trained_unet.load_state_dict(unet_weights)
         if ema_model is not None:
-            ema_model.copy_to(unet.parameters())
+            ema_model.copy_to(trained_unet.parameters())
         pipeline = StableDiffusionPipeline.from_pretrained(
-            path, unet=unet, revision=args.revision, variant=args.variant, cache_dir=args.cache_dir
+            base_path,
+            unet=trained_unet,
+            revision=args.revision,
+            variant=args.variant,
+            cache_dir=args.cache_dir,
         )
-        if args.prediction_type is not None:  # the base scheduler, told what this UNet predicts
+        # The base scheduler, told what this UNet predicts.
+        if args.prediction_type is not None:
             pipeline.scheduler.register_to_config(prediction_type=args.prediction_type)
         pipeline.save_pretrained(args.output_dir)
         logger.info(f"Saved to {args.output_dir}")
@@ -426,13 +500,18 @@ def clear_error(flag):
 
 def load_train_dataset(args, *columns):
     """A hub dataset or an imagefolder, and a "row" column that seeds each image's crop and flip."""
-    name, config, files = args.dataset_name, args.dataset_config_name, None
+    name = args.dataset_name
+    files = None
     flag = f"--dataset_name {name}"
-    if name is None:  # an imagefolder: every image under --train_data_dir
-        name, files = "imagefolder", os.path.join(args.train_data_dir, "**")
+    # Without --dataset_name: an imagefolder of every image under --train_data_dir.
+    if name is None:
+        name = "imagefolder"
+        files = os.path.join(args.train_data_dir, "**")
         flag = f"--train_data_dir {args.train_data_dir}"
     with clear_error(flag):
-        dataset = datasets.load_dataset(name, config, data_files=files, cache_dir=args.cache_dir)
+        dataset = datasets.load_dataset(
+            name, args.dataset_config_name, data_files=files, cache_dir=args.cache_dir
+        )
         dataset = dataset["train"]
     for column in columns:
         if column not in dataset.column_names:
@@ -443,8 +522,9 @@ def load_train_dataset(args, *columns):
 
 
 def read_caption(item, args):
-    path = os.path.splitext(item["path"])[0] + args.caption_extension  # utf-8-sig: a Windows BOM
-    return {args.caption_column: Path(path).read_text(encoding="utf-8-sig").strip()}
+    """The caption file beside an image, read as utf-8-sig: a Windows editor's BOM is dropped."""
+    caption_file = os.path.splitext(item["path"])[0] + args.caption_extension
+    return {args.caption_column: Path(caption_file).read_text(encoding="utf-8-sig").strip()}
 
 
 def open_image(item):
@@ -456,28 +536,35 @@ def open_image(item):
 def preprocess(examples, args, augment, tokenizer, shape, epoch):
     """Images to tensors (cached: their latents' moments), captions to token ids. As in
     train_unconditional, crop, flip and caption choice come from a seed of (seed, epoch, row)."""
-    batch, captions = {"pixel_values": [], "latent_moments": []}, []
+    batch = {"pixel_values": [], "latent_moments": []}
+    captions = []
     for i, row in enumerate(examples["row"]):
         with torch.random.fork_rng(devices=[]):
-            seed = (args.seed * 1_000_003 + epoch) * 1_000_003 + row  # one per image and epoch
-            torch.default_generator.manual_seed(seed % 2**32)  # torch keeps 32 bits of a seed
-            flip = args.random_flip and bool(torch.rand(()) < 0.5)  # no draw if no flip
-            if args.cache_latents:  # the moments of both sides are cached: pick one
+            # One seed per image and epoch; torch keeps 32 bits of a seed.
+            seed = (args.seed * 1_000_003 + epoch) * 1_000_003 + row
+            torch.default_generator.manual_seed(seed % 2**32)
+            # Drawn only with --random_flip: without it, the crop's draws stay the same.
+            flip = args.random_flip and bool(torch.rand(()) < 0.5)
+            # The moments of both sides are cached: the flip picks one.
+            if args.cache_latents:
                 data = bytearray(examples["latent_moments"][i])
                 moments = torch.frombuffer(data, dtype=torch.float32).view(-1, *shape)
                 batch["latent_moments"].append(moments[int(flip)])
             else:
                 pixels = augment(open_image(examples[args.image_column][i]).convert("RGB"))
                 batch["pixel_values"].append(pixels.flip(-1) if flip else pixels)
-            caption = args.instance_prompt or examples[args.caption_column][i] or ""  # None: ∅
-            if not isinstance(caption, str):  # a list of captions: one of them
+            # --instance_prompt over the image's own caption; a missing caption (None) is ∅.
+            caption = args.instance_prompt or examples[args.caption_column][i] or ""
+            # A list of captions: one of them.
+            if not isinstance(caption, str):
                 caption = caption[torch.randint(len(caption), ())]
             if args.caption_dropout_rate and torch.rand(()) < args.caption_dropout_rate:
                 # The empty prompt ∅, for guidance.
                 caption = ""
             captions.append(caption)
     batch = {name: values for name, values in batch.items() if len(values)}
-    tokens = tokenizer(captions, padding="max_length", truncation=True)  # to CLIP's 77 tokens
+    # Padded or cut to the tokenizer's length, CLIP's 77 tokens.
+    tokens = tokenizer(captions, padding="max_length", truncation=True)
     batch["input_ids"] = torch.tensor(tokens.input_ids)
     return batch
 
@@ -493,19 +580,31 @@ def encode_latents(examples, args, augment, vae):
     return {"latent_moments": [m.float().cpu().numpy().tobytes() for m in moments]}
 
 
+@torch.no_grad()
+def sample_latents(vae, batch, args):
+    """The batch's latents (x_0 or z_0): a sample of the VAE's posterior N(μ, σ²) of each image,
+    from its pixels or its cached μ and log σ², scaled to unit variance."""
+    if args.cache_latents:
+        posterior = DiagonalGaussianDistribution(batch["latent_moments"])
+    else:
+        posterior = vae.encode(batch["pixel_values"].to(vae.dtype)).latent_dist
+    return posterior.sample().float() * vae.config.scaling_factor
+
+
 def min_snr_weights(noise_scheduler, timesteps, snr_gamma):
-    """Min-SNR-γ (Hang et al. 2023): weights min(SNR(t), γ) / SNR(t), or / (SNR(t) + 1) for v;
-    SNR(t) = ᾱ_t / (1 - ᾱ_t). The nearly clean timesteps no longer dominate the gradient."""
+    """Min-SNR-γ (Hang et al. 2023): the loss on x_0 weighted by min(SNR(t), γ), with SNR(t) =
+    ᾱ_t / (1 - ᾱ_t), so that the nearly clean timesteps no longer dominate the gradient. The loss
+    on ε is the loss on x_0 times SNR(t), on v times SNR(t) + 1: divide by them."""
     snr = compute_snr(noise_scheduler, timesteps)
-    v_target = noise_scheduler.config.prediction_type == "v_prediction"
-    return snr.clamp(max=snr_gamma) / (snr + 1 if v_target else snr)
+    divisors = {"epsilon": snr, "v_prediction": snr + 1, "sample": 1}
+    return snr.clamp(max=snr_gamma) / divisors[noise_scheduler.config.prediction_type]
 
 
 def list_checkpoints(output_dir):
     """The checkpoint-N folders in output_dir, oldest first."""
     names = os.listdir(output_dir) if os.path.isdir(output_dir) else []
-    names = [n for n in names if n.startswith("checkpoint-") and n[11:].isdigit()]
-    return sorted(names, key=lambda n: int(n[11:]))
+    names = [n for n in names if re.fullmatch(r"checkpoint-\d+", n)]
+    return sorted(names, key=lambda n: int(n.split("-")[1]))
 
 
 def save_checkpoint(accelerator, args, global_step):
@@ -517,10 +616,12 @@ def save_checkpoint(accelerator, args, global_step):
         old = list_checkpoints(args.output_dir)
         for name in old[: max(0, len(old) - args.checkpoints_total_limit + 1)]:
             shutil.rmtree(f"{args.output_dir}/{name}")
-    accelerator.save_state(tmp)  # on every process: each writes its RNG states
+    # On every process: each writes its RNG states.
+    accelerator.save_state(tmp)
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
-        shutil.rmtree(path, ignore_errors=True)  # from a run before this one's resume
+        # A checkpoint-N of a run before this one's resume gives way.
+        shutil.rmtree(path, ignore_errors=True)
         os.rename(tmp, path)
         logger.info(f"Saved {path}")
 
@@ -528,21 +629,26 @@ def save_checkpoint(accelerator, args, global_step):
 def resume_from_checkpoint(accelerator, args):
     """Load --resume_from_checkpoint (`latest`: the newest, if any) and return its step."""
     name = args.resume_from_checkpoint
-    if name == "latest":  # none yet: a new run
-        name = (list_checkpoints(args.output_dir) or [None])[-1]
+    if name == "latest":
+        found = list_checkpoints(args.output_dir)
+        # None yet: a new run.
+        name = found[-1] if found else None
     if name is None:
         return 0
-    path = os.path.join(args.output_dir, os.path.basename(os.path.normpath(name)))
-    with clear_error(f"--resume_from_checkpoint {path}"):  # missing, partial, another run's
-        accelerator.load_state(path)
-        logger.info(f"Resumed from {path}")
-        return int(path.rsplit("-", 1)[1])
+    checkpoint = os.path.join(args.output_dir, os.path.basename(os.path.normpath(name)))
+    # A checkpoint that is missing, half written or another run's ends in one line.
+    with clear_error(f"--resume_from_checkpoint {checkpoint}"):
+        accelerator.load_state(checkpoint)
+        logger.info(f"Resumed from {checkpoint}")
+        return int(checkpoint.rsplit("-", 1)[1])
 
 
 def log_validation(accelerator, args, pipeline, ema_model, global_step):
     unet = pipeline.unet
-    unet.eval()  # no dropout while sampling
-    if ema_model is not None:  # sample with the EMA weights, then put the trained ones back
+    # No dropout while sampling.
+    unet.eval()
+    # Sample with the EMA weights, then put the trained ones back.
+    if ema_model is not None:
         ema_model.store(unet.parameters())
         ema_model.copy_to(unet.parameters())
     pipeline.set_progress_bar_config(disable=True)
@@ -550,7 +656,8 @@ def log_validation(accelerator, args, pipeline, ema_model, global_step):
     if ema_model is not None:
         ema_model.restore(unet.parameters())
     unet.train()
-    save_grid(accelerator, args, images, global_step, nrow=len(images))
+    if accelerator.is_main_process:
+        save_grid(accelerator, args, images, global_step, nrow=len(images))
 
 
 def generate(accelerator, args, pipeline, **kwargs):

@@ -3,8 +3,8 @@
 
 A UNet learns to predict the noise ε mixed into an image (Ho et al. 2020). Every step is the
 paper's Algorithm 1: images x_0, noise ε ~ N(0, I), timesteps t ~ U{0..T-1}, noisy images
-x_t = √ᾱ_t·x_0 + √(1-ᾱ_t)·ε, and a gradient step on ‖ε - ε_θ(x_t, t)‖². Sampling
-(Algorithm 2) is the DDPMPipeline saved at the end.
+x_t = √ᾱ_t·x_0 + √(1-ᾱ_t)·ε, and a gradient step on ‖ε - ε_θ(x_t, t)‖² (or on v or x_0, if
+--prediction_type says so). Sampling (Algorithm 2) is the DDPMPipeline saved at the end.
 
     accelerate launch train_unconditional.py --train_data_dir data/digits --resolution 16 \
         --model_config_name_or_path configs/unet-digits --output_dir ddpm-digits
@@ -14,7 +14,9 @@ import argparse
 import logging
 import math
 import os
+import re
 import shutil
+import signal
 from contextlib import contextmanager
 from datetime import timedelta
 from functools import partial
@@ -40,7 +42,8 @@ logger = get_logger(__name__)
 # 1. Arguments: the Diffusers example's flags and defaults, so its commands run unchanged
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description="Train a DDPM (UNet2DModel) from scratch.")
-    source = p.add_mutually_exclusive_group(required=True)  # the images: one of the two
+    # The images come from one of two sources.
+    source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--dataset_name", help="A Hub dataset, or a folder `datasets` loads.")
     p.add_argument("--dataset_config_name", help="The dataset's configuration, if it has several.")
     source.add_argument("--train_data_dir", help="A folder of images (an imagefolder).")
@@ -60,7 +63,7 @@ def parse_args(argv=None):
     p.add_argument("--num_epochs", type=int, default=100, help="Passes over the dataset to train.")
     p.add_argument("--max_train_steps", type=int, help="Steps to train; overrides the epochs.")
     p.add_argument("--save_images_epochs", type=int, default=10, help="Validate every N epochs.")
-    p.add_argument("--save_model_epochs", type=int, default=10, help="Save the pipeline every N.")
+    p.add_argument("--save_model_epochs", type=int, default=10, help="Save every N epochs.")
     p.add_argument("--gradient_accumulation_steps", type=int, default=1, help="Batches per step.")
     p.add_argument("--gradient_checkpointing", action="store_true", help="Less memory, slower.")
     p.add_argument("--learning_rate", type=float, default=1e-4, help="AdamW's LR after warm-up.")
@@ -84,11 +87,14 @@ def parse_args(argv=None):
         "--enable_xformers_memory_efficient_attention", action="store_true", help="Ignored: SDPA."
     )
     p.add_argument(
-        "--prediction_type", default="epsilon", choices=["epsilon", "v_prediction"], help="ε or v."
+        "--prediction_type",
+        default="epsilon",
+        choices=["epsilon", "v_prediction", "sample"],
+        help="The target: the noise ε, v = √ᾱ_t·ε - √(1-ᾱ_t)·x_0, or the image x_0 (sample).",
     )
     p.add_argument("--snr_gamma", type=float, help="Min-SNR-γ's γ (the paper: 5.0); default: off.")
     p.add_argument("--ddpm_num_steps", type=int, default=1000, help="T, the number of timesteps.")
-    p.add_argument("--ddpm_num_inference_steps", type=int, default=1000, help="DDPM sampling steps")
+    p.add_argument("--ddpm_num_inference_steps", type=int, default=1000, help="Validation steps.")
     p.add_argument("--ddpm_beta_schedule", default="linear", help="β_1..β_T schedule, e.g. linear.")
     p.add_argument("--checkpointing_steps", type=int, default=500, help="Checkpoint every N steps.")
     p.add_argument("--checkpoints_total_limit", type=int, help="Keep the newest N; default: all.")
@@ -126,7 +132,8 @@ def main(args):
         ),
         # Every process draws the same permutation each epoch and takes its share of it.
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=args.seed),
-        step_scheduler_with_optimizer=False,  # the loop steps the LR once per optimizer step
+        # The loop steps the LR schedule once per optimizer step.
+        step_scheduler_with_optimizer=False,
         # The others wait up to 2 h while the main process validates.
         kwargs_handlers=[InitProcessGroupKwargs(backend=gloo, timeout=timedelta(hours=2))],
     )
@@ -134,15 +141,22 @@ def main(args):
     unwrap = partial(accelerator.unwrap_model, keep_torch_compile=False)
     if accelerator.mixed_precision == "fp16" and accelerator.device.type == "cpu":
         raise SystemExit("error: --mixed_precision fp16 needs a GPU; on a CPU use bf16 or no")
+    if args.use_8bit_adam and accelerator.device.type == "mps":
+        raise SystemExit("error: --use_8bit_adam: bitsandbytes has no 8-bit AdamW for Apple's MPS")
     plugin = accelerator.state.deepspeed_plugin
     if accelerator.distributed_type == DistributedType.FSDP or (plugin and plugin.zero_stage == 3):
         raise SystemExit("error: launch with DDP or DeepSpeed ZeRO-1/2, not FSDP or ZeRO-3")
     logging.basicConfig(level=logging.INFO)
-    set_seed(args.seed)  # the same initial weights on every process
+    # SIGTERM (a scheduler's notice) or SIGINT (Ctrl-C): save and stop at the next read of the loss.
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: accelerator.set_trigger())
+    # The same initial weights on every process.
+    set_seed(args.seed)
     torch.backends.cuda.matmul.allow_tf32 = args.allow_tf32
     if args.push_to_hub and accelerator.is_main_process:
         repo_id = args.hub_model_id or os.path.basename(os.path.abspath(args.output_dir))
-        with clear_error("--push_to_hub"):  # now, not after hours of training
+        # Now, not after hours of training.
+        with clear_error("--push_to_hub"):
             repo = create_repo(repo_id, private=args.hub_private_repo, exist_ok=True)
 
     # 3. Models: the UNet ε_θ, and the noise schedule β_1..β_T of the forward process
@@ -151,7 +165,8 @@ def main(args):
     if args.model_config_name_or_path:
         with clear_error(f"--model_config_name_or_path {args.model_config_name_or_path}"):
             model = UNet2DModel.from_config(UNet2DModel.load_config(args.model_config_name_or_path))
-    else:  # the Diffusers example's UNet
+    else:
+        # The Diffusers example's UNet.
         model = UNet2DModel(
             sample_size=args.resolution,
             layers_per_block=2,
@@ -167,23 +182,28 @@ def main(args):
         prediction_type=args.prediction_type,
     )
     ema_model = None
-    if args.use_ema:  # decay 1 - (1 + n/inv_gamma)^-power, to --ema_max_decay
-        decay = dict(decay=args.ema_max_decay, use_ema_warmup=True, power=args.ema_power)
-        decay |= dict(inv_gamma=args.ema_inv_gamma)
+    # The EMA's decay after n steps: 1 - (1 + n/inv_gamma)^-power, at most --ema_max_decay.
+    if args.use_ema:
         ema_model = EMAModel(
-            model.parameters(), **decay, model_cls=type(model), model_config=model.config
+            model.parameters(),
+            decay=args.ema_max_decay,
+            use_ema_warmup=True,
+            inv_gamma=args.ema_inv_gamma,
+            power=args.ema_power,
+            model_cls=type(model),
+            model_config=model.config,
         )
 
     # 4. Data: images resized, cropped, flipped, scaled to [-1, 1]
     train_dataset = load_train_dataset(args, args.image_column)
     crop = transforms.CenterCrop if args.center_crop else transforms.RandomCrop
+    # Pixels in [0, 1] become (x - 0.5) / 0.5, in [-1, 1].
     augment = transforms.Compose(
         [
             transforms.Resize(args.resolution),
             crop(args.resolution),
-            transforms.RandomHorizontalFlip(0.5 if args.random_flip else 0.0),
             transforms.ToTensor(),
-            transforms.Normalize([0.5], [0.5]),  # [0, 1] -> [-1, 1]
+            transforms.Normalize([0.5], [0.5]),
         ]
     )
     transform = partial(preprocess, args=args, augment=augment)
@@ -192,7 +212,8 @@ def main(args):
         batch_size=args.train_batch_size,
         shuffle=True,
         num_workers=args.dataloader_num_workers,
-        generator=torch.Generator().manual_seed(args.seed),  # not the global RNG: see preprocess
+        # Its own generator, not the global RNG: see preprocess.
+        generator=torch.Generator().manual_seed(args.seed),
     )
 
     # 5. Optimizer and LR schedule, over each process's share of the batches
@@ -222,7 +243,8 @@ def main(args):
     model, optimizer, train_dataloader, lr_scheduler = accelerator.prepare(
         model, optimizer, train_dataloader, lr_scheduler
     )
-    # Each process draws its own ε and t (the Diffusers examples: the same on every GPU).
+    # Each process draws its own ε and t. (The Diffusers unconditional example never seeds; its
+    # text-to-image examples seed every process alike, if given --seed: the same ε and t on each.)
     set_seed(args.seed, device_specific=True)
 
     # 6. Checkpoint hooks and resume. save_state stores the optimizer, LR schedule and every
@@ -232,7 +254,8 @@ def main(args):
             unwrap(models[0]).save_pretrained(f"{output_dir}/unet")
             if ema_model is not None:
                 ema_model.save_pretrained(f"{output_dir}/unet_ema")
-        weights.clear()  # saved above
+        # Saved above: accelerate must not store them again.
+        weights.clear()
 
     def load_model_hook(models, input_dir):
         if models:
@@ -245,10 +268,11 @@ def main(args):
     accelerator.register_save_state_pre_hook(save_model_hook)
     accelerator.register_load_state_pre_hook(load_model_hook)
     global_step = resume_from_checkpoint(accelerator, args)
-    if ema_model is not None:  # on the device, also when it was loaded
+    # The EMA goes to the device after the resume, which loads it on the CPU.
+    if ema_model is not None:
         ema_model.to(accelerator.device)
     first_epoch = global_step // steps_per_epoch
-    skip_batches = global_step % steps_per_epoch * accumulation
+    skip_batches = (global_step % steps_per_epoch) * accumulation
     hparams = {k: v for k, v in vars(args).items() if isinstance(v, (int, float, str))}
     accelerator.init_trackers("train_unconditional", config=hparams)
 
@@ -259,14 +283,18 @@ def main(args):
         range(max_train_steps), initial=global_step, disable=not accelerator.is_local_main_process
     )
     # The loss is summed on the device, read every 10 steps: a read makes the CPU wait.
-    train_loss, logged_step = 0.0, global_step
+    train_loss = 0.0
+    logged_step = global_step
+    stopped = False
     for epoch in range(first_epoch, num_epochs):
         model.train()
         # This epoch's crops and flips: preprocess seeds them with (seed, epoch, row).
         train_dataset.set_transform(partial(transform, epoch=epoch))
-        train_dataloader.set_epoch(epoch)  # this epoch's permutation, also when resuming
+        # This epoch's permutation, also when resuming.
+        train_dataloader.set_epoch(epoch)
         batches = train_dataloader
-        if epoch == first_epoch and skip_batches:  # those the resumed checkpoint trained on
+        # A resumed run skips the batches its checkpoint has trained on.
+        if epoch == first_epoch and skip_batches:
             batches = accelerator.skip_first_batches(train_dataloader, skip_batches)
         for batch in batches:
             with accelerator.accumulate(model):
@@ -279,15 +307,17 @@ def main(args):
                 timesteps = torch.randint(0, T, (len(noise),), device=noise.device)
                 # x_t = √ᾱ_t·x_0 + √(1-ᾱ_t)·ε: the forward process in closed form (DDPM, eq. 4).
                 noisy_images = noise_scheduler.add_noise(clean_images, noise, timesteps)
-                # The target: ε itself, or v = √ᾱ_t·ε - √(1-ᾱ_t)·x_0 (Salimans & Ho 2022).
+                # The target: ε itself, v = √ᾱ_t·ε - √(1-ᾱ_t)·x_0 (Salimans & Ho 2022), or x_0.
                 if args.prediction_type == "epsilon":
                     target = noise
-                else:
+                elif args.prediction_type == "v_prediction":
                     target = noise_scheduler.get_velocity(clean_images, noise, timesteps)
-                # ε_θ(x_t, t): the prediction. Its input is cast to the mixed-precision dtype, as
-                # DeepSpeed keeps the model's own weights in that dtype (autocast takes either).
+                else:
+                    target = clean_images
+                # The model's prediction of the target, ε_θ(x_t, t) for ε. Its input is cast to the
+                # mixed-precision dtype, as DeepSpeed keeps the model's weights in that dtype.
                 model_output = model(noisy_images.to(weight_dtype), timesteps).sample
-                # ‖ε - ε_θ(x_t, t)‖²: the simplified loss (DDPM eq. 14), per image for Min-SNR-γ.
+                # ‖target - prediction‖²: the simple loss (DDPM eq. 14), per image for Min-SNR-γ.
                 loss = F.mse_loss(model_output.float(), target.float(), reduction="none")
                 loss = loss.mean(dim=[1, 2, 3])
                 if args.snr_gamma is not None:
@@ -302,21 +332,39 @@ def main(args):
                 optimizer.zero_grad()
                 train_loss += loss.detach() / accumulation
 
-            if accelerator.sync_gradients:  # an optimizer step happened
+            # An optimizer step happened.
+            if accelerator.sync_gradients:
                 lr_scheduler.step()
                 if ema_model is not None:
                     ema_model.step(model.parameters())
                 global_step += 1
                 progress_bar.update(1)
-                if global_step % 10 == 0 or global_step >= max_train_steps:
-                    steps, logged_step = global_step - logged_step, global_step
-                    loss_per_step = accelerator.reduce(train_loss, "mean").item() / steps
-                    logs = {"loss": loss_per_step, "lr": lr_scheduler.get_last_lr()[0]}
+                save = global_step % args.checkpointing_steps == 0
+                if global_step % 10 == 0 or save or global_step >= max_train_steps:
+                    # The mean loss of the steps since the last read, over every process.
+                    steps = global_step - logged_step
+                    mean_loss = accelerator.reduce(train_loss, "mean").item() / steps
+                    logs = {"loss": mean_loss, "lr": lr_scheduler.get_last_lr()[0]}
                     progress_bar.set_postfix(**logs)
                     accelerator.log(logs, step=global_step)
                     train_loss = 0.0
-                if global_step % args.checkpointing_steps == 0:
+                    logged_step = global_step
+                    # Diverged: stop before a checkpoint keeps the weights of a loss of inf or NaN.
+                    if not math.isfinite(mean_loss):
+                        raise SystemExit(
+                            f"error: the loss is {mean_loss} at step {global_step}; resume from a "
+                            "checkpoint before it with a lower --learning_rate, or bf16 for fp16"
+                        )
+                    # A signal to any process stops them all here, at the same step.
+                    stopped = accelerator.check_trigger()
+                if save or stopped:
                     save_checkpoint(accelerator, args, global_step)
+                if stopped:
+                    logger.info(
+                        f"Stopped at step {global_step}: go on with --resume_from_checkpoint latest"
+                    )
+                    # sysexits' EX_TEMPFAIL, "try again later": a status a scheduler can requeue.
+                    raise SystemExit(75)
             if global_step >= max_train_steps:
                 break
 
@@ -352,13 +400,18 @@ def clear_error(flag):
 
 def load_train_dataset(args, *columns):
     """A hub dataset or an imagefolder, and a "row" column that seeds each image's crop and flip."""
-    name, config, files = args.dataset_name, args.dataset_config_name, None
+    name = args.dataset_name
+    files = None
     flag = f"--dataset_name {name}"
-    if name is None:  # an imagefolder: every image under --train_data_dir
-        name, files = "imagefolder", os.path.join(args.train_data_dir, "**")
+    # Without --dataset_name: an imagefolder of every image under --train_data_dir.
+    if name is None:
+        name = "imagefolder"
+        files = os.path.join(args.train_data_dir, "**")
         flag = f"--train_data_dir {args.train_data_dir}"
     with clear_error(flag):
-        dataset = datasets.load_dataset(name, config, data_files=files, cache_dir=args.cache_dir)
+        dataset = datasets.load_dataset(
+            name, args.dataset_config_name, data_files=files, cache_dir=args.cache_dir
+        )
         dataset = dataset["train"]
     for column in columns:
         if column not in dataset.column_names:
@@ -381,26 +434,30 @@ def preprocess(examples, args, augment, epoch):
     batch = {"pixel_values": []}
     for i, row in enumerate(examples["row"]):
         with torch.random.fork_rng(devices=[]):
-            seed = (args.seed * 1_000_003 + epoch) * 1_000_003 + row  # one per image and epoch
-            torch.default_generator.manual_seed(seed % 2**32)  # torch keeps 32 bits of a seed
+            # One seed per image and epoch; torch keeps 32 bits of a seed.
+            seed = (args.seed * 1_000_003 + epoch) * 1_000_003 + row
+            torch.default_generator.manual_seed(seed % 2**32)
+            # Drawn only with --random_flip: without it, the crop's draws stay the same.
+            flip = args.random_flip and bool(torch.rand(()) < 0.5)
             pixels = augment(open_image(examples[args.image_column][i]).convert("RGB"))
-            batch["pixel_values"].append(pixels)
+            batch["pixel_values"].append(pixels.flip(-1) if flip else pixels)
     return batch
 
 
 def min_snr_weights(noise_scheduler, timesteps, snr_gamma):
-    """Min-SNR-γ (Hang et al. 2023): weights min(SNR(t), γ) / SNR(t), or / (SNR(t) + 1) for v;
-    SNR(t) = ᾱ_t / (1 - ᾱ_t). The nearly clean timesteps no longer dominate the gradient."""
+    """Min-SNR-γ (Hang et al. 2023): the loss on x_0 weighted by min(SNR(t), γ), with SNR(t) =
+    ᾱ_t / (1 - ᾱ_t), so that the nearly clean timesteps no longer dominate the gradient. The loss
+    on ε is the loss on x_0 times SNR(t), on v times SNR(t) + 1: divide by them."""
     snr = compute_snr(noise_scheduler, timesteps)
-    v_target = noise_scheduler.config.prediction_type == "v_prediction"
-    return snr.clamp(max=snr_gamma) / (snr + 1 if v_target else snr)
+    divisors = {"epsilon": snr, "v_prediction": snr + 1, "sample": 1}
+    return snr.clamp(max=snr_gamma) / divisors[noise_scheduler.config.prediction_type]
 
 
 def list_checkpoints(output_dir):
     """The checkpoint-N folders in output_dir, oldest first."""
     names = os.listdir(output_dir) if os.path.isdir(output_dir) else []
-    names = [n for n in names if n.startswith("checkpoint-") and n[11:].isdigit()]
-    return sorted(names, key=lambda n: int(n[11:]))
+    names = [n for n in names if re.fullmatch(r"checkpoint-\d+", n)]
+    return sorted(names, key=lambda n: int(n.split("-")[1]))
 
 
 def save_checkpoint(accelerator, args, global_step):
@@ -412,10 +469,12 @@ def save_checkpoint(accelerator, args, global_step):
         old = list_checkpoints(args.output_dir)
         for name in old[: max(0, len(old) - args.checkpoints_total_limit + 1)]:
             shutil.rmtree(f"{args.output_dir}/{name}")
-    accelerator.save_state(tmp)  # on every process: each writes its RNG states
+    # On every process: each writes its RNG states.
+    accelerator.save_state(tmp)
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
-        shutil.rmtree(path, ignore_errors=True)  # from a run before this one's resume
+        # A checkpoint-N of a run before this one's resume gives way.
+        shutil.rmtree(path, ignore_errors=True)
         os.rename(tmp, path)
         logger.info(f"Saved {path}")
 
@@ -423,28 +482,34 @@ def save_checkpoint(accelerator, args, global_step):
 def resume_from_checkpoint(accelerator, args):
     """Load --resume_from_checkpoint (`latest`: the newest, if any) and return its step."""
     name = args.resume_from_checkpoint
-    if name == "latest":  # none yet: a new run
-        name = (list_checkpoints(args.output_dir) or [None])[-1]
+    if name == "latest":
+        found = list_checkpoints(args.output_dir)
+        # None yet: a new run.
+        name = found[-1] if found else None
     if name is None:
         return 0
-    path = os.path.join(args.output_dir, os.path.basename(os.path.normpath(name)))
-    with clear_error(f"--resume_from_checkpoint {path}"):  # missing, partial, another run's
-        accelerator.load_state(path)
-        logger.info(f"Resumed from {path}")
-        return int(path.rsplit("-", 1)[1])
+    checkpoint = os.path.join(args.output_dir, os.path.basename(os.path.normpath(name)))
+    # A checkpoint that is missing, half written or another run's ends in one line.
+    with clear_error(f"--resume_from_checkpoint {checkpoint}"):
+        accelerator.load_state(checkpoint)
+        logger.info(f"Resumed from {checkpoint}")
+        return int(checkpoint.rsplit("-", 1)[1])
 
 
 def log_validation(accelerator, args, model, ema_model, noise_scheduler, global_step):
-    model.eval()  # no dropout while sampling
+    # No dropout while sampling.
+    model.eval()
     pipeline = DDPMPipeline(unet=model, scheduler=DDPMScheduler.from_config(noise_scheduler.config))
     pipeline.set_progress_bar_config(disable=True)
-    if ema_model is not None:  # sample with the EMA weights, then put the trained ones back
+    # Sample with the EMA weights, then put the trained ones back.
+    if ema_model is not None:
         ema_model.store(model.parameters())
         ema_model.copy_to(model.parameters())
     images = pipeline(
         batch_size=args.eval_batch_size,
         num_inference_steps=args.ddpm_num_inference_steps,
-        generator=torch.Generator().manual_seed(0),  # the same noise each time: progress shows
+        # The same noise each time, so that progress shows.
+        generator=torch.Generator().manual_seed(0),
         output_type="pt",
     ).images.float()
     if ema_model is not None:

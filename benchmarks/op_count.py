@@ -1,13 +1,13 @@
 #!/usr/bin/env python
 """Operations per training step: our LoRA (and text-to-image) script against the Diffusers example.
 
-On a GPU where the host's launching of kernels bounds the step (benchmarks/gpu_table.md: SD 1.5 LoRA
-at 5-7 % MFU), every aten operation dispatched costs about the same, so their count per step is the
-step time; it can be counted on a CPU. Each script runs as its own process through
-benchmarks/_timed.py with TIMED_COUNT_OPS=1, on the tests' tiny Stable Diffusion (64 px), with the
-same flags (below), and the operations of the steps after --warmup are averaged:
+On a GPU where the host's launching of kernels bounds the step (the SD 1.5 LoRA at 5-7 % MFU:
+benchmarks/gpu_table_h100_2026-11-22.md), every aten operation dispatched costs about the same, so
+their count per step is the step time; it can be counted on a CPU. Each script runs as its own
+process through benchmarks/_timed.py with TIMED_COUNT_OPS=1, on the tests' tiny Stable Diffusion
+(64 px), with the same flags (below), and the operations of the steps after --warmup are averaged:
 
-    python benchmarks/op_count.py                      # LoRA, bf16 (issue #31)
+    python benchmarks/op_count.py                      # LoRA, bf16
     python benchmarks/op_count.py --models lora sd --mixed_precision no bf16
     python benchmarks/op_count.py --flags=--cache_latents   # ours cached, the reference not
 

@@ -75,6 +75,17 @@ def zero(stage):
 def run_script(script, args, *, num_processes=1, launch_args=(), expect_fail=False, env=None, timeout=900):
     """Run `script` (relative to REPO, or absolute) under `accelerate launch`; return its output.
     Fails the test on a non-zero exit, or on a zero one when `expect_fail` is set."""
+    returncode, log, cmd = run_signalled(script, args, None, num_processes=num_processes, launch_args=launch_args,
+                                         env=env, timeout=timeout)
+    if (returncode != 0) != expect_fail:
+        wanted = "a failure" if expect_fail else "success"
+        pytest.fail(f"exit {returncode}, not {wanted}: {shlex.join(cmd)}\n{log[-8000:]}", False)
+    return log
+
+
+def run_signalled(script, args, when, *, num_processes=1, launch_args=(), env=None, timeout=900, launcher=True):
+    """Run `script` as run_script does (or with plain `python` if not `launcher`); once the path `when` exists,
+    send SIGTERM to its whole process group, as Slurm and a terminal do. Returns (exit status, output, command)."""
     launch = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", _accelerate_config()]
     launch += list(launch_args)
     run_env = {**os.environ, **HF_ENV}
@@ -85,22 +96,25 @@ def run_script(script, args, *, num_processes=1, launch_args=(), expect_fail=Fal
         launch += ["--main_process_port", str(_free_port())]
         run_env["ACCELERATE_USE_CPU"] = "1"
     run_env.update(env or {})
-    cmd = [*launch, str(REPO / script), *map(str, args)]
+    cmd = [*(launch if launcher else [sys.executable]), str(REPO / script), *map(str, args)]
     # a session of its own, so that a timeout kills the launcher and every rank it started
     with subprocess.Popen(
         cmd, cwd=REPO, env=run_env, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
         start_new_session=True,
     ) as proc:  # fmt: skip
         try:
+            if when is not None:
+                deadline = time.monotonic() + timeout
+                while not Path(when).exists() and proc.poll() is None and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                if proc.poll() is None:
+                    os.killpg(proc.pid, signal.SIGTERM)
             log = proc.communicate(timeout=timeout)[0]
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             log = proc.communicate()[0]
             pytest.fail(f"timed out: {shlex.join(cmd)}\n{log[-8000:]}", pytrace=False)
-    if (proc.returncode != 0) != expect_fail:
-        wanted = "a failure" if expect_fail else "success"
-        pytest.fail(f"exit {proc.returncode}, not {wanted}: {shlex.join(cmd)}\n{log[-8000:]}", False)
-    return log
+    return proc.returncode, log, cmd
 
 
 @pytest.fixture

@@ -4,7 +4,7 @@ training with cached latents, the DiTPipeline folder users load, bad input."""
 import pytest
 import torch
 from conftest import (assert_same_optimizer_state, assert_same_weights, checkpoints, import_script, resume_copy,
-                      train_in_process, weights)
+                      train_in_process, weights, write_imagefolder)
 
 SCRIPT = "train_dit.py"
 
@@ -105,6 +105,21 @@ def test_cached_latents_are_the_vaes_moments_of_both_sides(digits_folder, tiny_s
             expected = vae.encode(images).latent_dist.parameters
             cached = torch.stack([torch.frombuffer(bytearray(b), dtype=torch.float32).view(2, 8, 8, 8)[side] for b in encoded])
             torch.testing.assert_close(cached, expected)
+
+
+def test_validation_draws_the_datasets_classes_not_the_vaes_thousand(tiny_dit_config, tiny_sd_path, tmp_path):
+    """With a VAE the transformer has ImageNet's 1000 label rows (DiTPipeline's ∅ is 1000), but a dataset of 2
+    classes trains only 2 of them: the validation grid has a row for each of those, not 10."""
+    from PIL import Image
+
+    folder = write_imagefolder(tmp_path / "two", 2)
+    out = tmp_path / "out"
+    train_in_process(SCRIPT, ["--train_data_dir", folder, "--model_config_name_or_path", tiny_dit_config,
+                              "--pretrained_vae_model_name_or_path", f"{tiny_sd_path}/vae", "--resolution", "64",
+                              "--max_train_steps", "1", "--train_batch_size", "2", "--num_inference_steps", "1",
+                              "--eval_batch_size", "1", "--logger", "none", "--output_dir", out])
+    # One column (a grid of 1 per class), 2 rows of 64 px, torchvision's 2 px padding around each tile.
+    assert Image.open(out / "samples" / "step-1.png").size == (64 + 4, 2 * (64 + 2) + 2)
 
 
 @pytest.mark.parametrize("prediction_type", ["epsilon", "flow_prediction"])

@@ -18,7 +18,7 @@ FULL = os.environ.get("FULL_RUNS") == "1"
 DEMO = ["--train_data_dir", REPO / "data" / "digits", "--resolution", "16", "--model_config_name_or_path",
         REPO / "configs" / "unet-digits", "--train_batch_size", "16", "--learning_rate", "1e-3", "--lr_warmup_steps", "100",
         "--use_ema", "--ema_max_decay", "0.999", "--seed", "0", "--ddpm_num_inference_steps", "100", "--eval_batch_size", "64"]
-SAMPLES = 200  # judged per model, drawn with DDIM in 50 steps (as the demo's grids)
+SAMPLES = 200  # judged per model, drawn with DDIM in 50 steps (the validation grids are DDPM in 100 steps)
 
 
 @cache

@@ -231,6 +231,28 @@ def test_the_text_encoder_adapter_passes_no_version_gate(common, tmp_path, monke
     assert sum(1 for k in weights(tmp_path, LORA) if k.startswith("text_encoder.") and ".lora_A." in k) == 20
 
 
+def test_gradient_checkpointing_reaches_only_a_text_encoder_that_learns(common, tmp_path, monkeypatch):
+    """A frozen CLIP runs no backward pass, so checkpointing it would do nothing: it is left alone. With
+    --train_text_encoder it is checkpointed, and every B of its LoRA still learns."""
+    from transformers import CLIPTextModel
+
+    calls = []
+    enable = CLIPTextModel.gradient_checkpointing_enable
+
+    def record(self, *args, **kwargs):
+        calls.append(self.training)
+        return enable(self, *args, **kwargs)
+
+    monkeypatch.setattr(CLIPTextModel, "gradient_checkpointing_enable", record)
+    args = [a for a in common if a != "--train_text_encoder"] + ["--gradient_checkpointing", "--checkpointing_steps", "9"]
+    train_in_process(SCRIPT, args + ["--output_dir", tmp_path / "unet", "--max_train_steps", "1"])
+    assert calls == []
+    train_in_process(SCRIPT, args + ["--output_dir", tmp_path / "both", "--max_train_steps", "2", "--train_text_encoder"])
+    assert len(calls) == 1
+    clip_b = [v for k, v in weights(tmp_path / "both", LORA).items() if k.startswith("text_encoder.") and ".lora_B." in k]
+    assert len(clip_b) == 20 and all(v.abs().sum() > 0 for v in clip_b)  # B = 0 at first
+
+
 def test_output_dir_dot_names_the_kohya_file_after_the_folder(common, tmp_path, monkeypatch):
     folder = tmp_path / "my-style"
     folder.mkdir()
@@ -287,7 +309,8 @@ def test_an_ignored_official_flag_says_so_and_trains(common, tmp_path, capsys):
                     "file beside each image: FileNotFoundError: "),
     ("corrupt_image", "error: image "),
     ("deepspeed_text_encoder", "error: --train_text_encoder needs DDP, not DeepSpeed"),
-    ("zero3", "error: launch with DDP or DeepSpeed ZeRO-1/2, not FSDP or ZeRO-3"),
+    ("zero3", "error: launch with DDP or DeepSpeed ZeRO-1/2, not FSDP or ZeRO-3: they split the frozen UNet, "
+              "whose LoRA layers this script reads whole"),
 ])
 def test_bad_input_is_one_clear_error(case, expected, reference, tiny_sd_path, kohya_folder, corrupt_folder, tmp_path,
                                       run_in_process, monkeypatch):

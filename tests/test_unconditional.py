@@ -1,12 +1,16 @@
 """train_unconditional.py: exact resume (1 and 2 processes, DeepSpeed ZeRO-2), the checkpoint contract,
-the output users load, each process's own noise, spawned workers, the loss weights, bad input."""
+the output users load, each process's own noise, spawned workers, the loss weights, bad input, and stopping
+(a signal saves the run, a diverged loss stops it)."""
 
+import math
+import os
 import shutil
+import signal
 
 import pytest
 import torch
 from conftest import (require_deepspeed, REPO, assert_same_optimizer_state, assert_same_weights, checkpoints, import_script,
-                      resume_copy, run_script, train_in_process, weights, zero)
+                      resume_copy, run_script, run_signalled, train_in_process, weights, zero)
 
 SCRIPT = "train_unconditional.py"
 
@@ -84,24 +88,52 @@ def two_processes(tmp_path_factory, common):
     return out
 
 
-def test_resume_on_two_processes_is_exact(two_processes, common):
-    out = resume_copy(two_processes, "checkpoint-4")
-    run_script(SCRIPT, common + ["--train_batch_size", "2", "--output_dir", out, "--resume_from_checkpoint", "latest"],
-               num_processes=2)
+def slow_launcher(folder):
+    """train_unconditional.py with a pause before each micro-batch's noise, so that a signal lands mid-run."""
+    launcher = folder / "slow.py"
+    launcher.write_text(
+        "import sys, time, torch\n"
+        f"sys.path.insert(0, {str(REPO)!r})\n"
+        "import train_unconditional as script\n"
+        "randn_like = torch.randn_like\n"
+        "def slow(x):\n"
+        "    time.sleep(0.5)\n"
+        "    return randn_like(x)\n"
+        "torch.randn_like = slow\n"
+        "script.main(script.parse_args())\n"
+    )
+    return launcher
+
+
+def test_sigterm_to_two_processes_saves_and_the_resume_is_exact(two_processes, common, tmp_path):
+    """SIGTERM to the process group of a 2-process launch (as Slurm and Ctrl-C send it): both processes stop at
+    the same step, after a checkpoint; the launcher's exit status is not 0; the resumed run ends bit-equal to
+    the uninterrupted one."""
+    out = tmp_path / "signalled"
+    args = common + ["--train_batch_size", "2", "--output_dir", out]
+    status, log, _ = run_signalled(slow_launcher(tmp_path), args, out / "checkpoint-2", num_processes=2)
+    assert status != 0 and "Stopped at step " in log, log[-3000:]
+    stopped = int(log.split("Stopped at step ")[1].split(":")[0])
+    assert checkpoints(out)[-1] == f"checkpoint-{stopped}" and stopped < 6
+    run_script(SCRIPT, args + ["--resume_from_checkpoint", "latest"], num_processes=2)
     assert_same_run(out, two_processes)
 
 
 def test_each_process_draws_its_own_noise(two_processes):
-    """The Diffusers examples seed every process alike, so every GPU adds the same ε to its images."""
+    """Seeded per process: the Diffusers text-to-image examples, given --seed, seed every process alike, so that
+    every GPU adds the same ε to its images."""
     noise = [torch.load(two_processes.parent / f"noise-{rank}.pt") for rank in (0, 1)]
     assert noise[0].shape == noise[1].shape and not torch.equal(*noise)
 
 
-def test_deepspeed_zero2_resumes_exactly(common, tmp_path):
+def test_deepspeed_zero2_stops_on_sigterm_and_resumes_exactly(common, tmp_path):
     out = tmp_path / "zero2"
-    args = common + ["--train_batch_size", "2", "--max_train_steps", "4", "--checkpointing_steps", "2"]
+    args = common + ["--train_batch_size", "2", "--max_train_steps", "6", "--checkpointing_steps", "2"]
     run_script(SCRIPT, args + ["--output_dir", out], num_processes=2, launch_args=zero(2))
-    resumed = resume_copy(out, "checkpoint-2")
+    resumed = tmp_path / "signalled"
+    status, log, _ = run_signalled(slow_launcher(tmp_path), args + ["--output_dir", resumed], resumed / "checkpoint-2",
+                                   num_processes=2, launch_args=zero(2))
+    assert status != 0 and "Stopped at step " in log, log[-3000:]
     run_script(SCRIPT, args + ["--output_dir", resumed, "--resume_from_checkpoint", "latest"], num_processes=2,
                launch_args=zero(2))
     assert_same_weights(weights(resumed / "unet"), weights(out / "unet"))
@@ -141,6 +173,36 @@ def test_min_snr_weights_cap_the_easy_timesteps():
     v_weights = script.min_snr_weights(v, t, 5.0)
     torch.testing.assert_close(v_weights * (snr + 1), torch.minimum(snr, torch.tensor(5.0)))
     assert torch.all(v_weights < 1)
+    # On x_0 (the paper's own form): min(SNR, γ) itself.
+    sample = DDPMScheduler(prediction_type="sample")
+    torch.testing.assert_close(script.min_snr_weights(sample, t, 5.0), torch.minimum(snr, torch.tensor(5.0)))
+
+
+def test_sample_prediction_trains_on_x0_as_the_official_example(common, tmp_path, monkeypatch):
+    """--prediction_type sample (the official script's x_0-prediction): the loss's target is the clean image
+    x_0 (randn_like's input), and the saved pipeline's scheduler says what the UNet predicts."""
+    from diffusers import DDPMPipeline
+
+    seen = {"x_0": [], "target": []}
+    randn_like, mse_loss = torch.randn_like, torch.nn.functional.mse_loss
+
+    def record_noise(x):
+        seen["x_0"].append(x.clone())
+        return randn_like(x)
+
+    def record_target(prediction, target, **kwargs):
+        seen["target"].append(target.clone())
+        return mse_loss(prediction, target, **kwargs)
+
+    monkeypatch.setattr(torch, "randn_like", record_noise)
+    monkeypatch.setattr(torch.nn.functional, "mse_loss", record_target)
+    out = tmp_path / "sample"
+    train_in_process(SCRIPT, common + ["--train_batch_size", "4", "--output_dir", out, "--prediction_type", "sample",
+                                       "--max_train_steps", "2"])
+    assert len(seen["target"]) == 2
+    for x_0, target in zip(seen["x_0"], seen["target"]):
+        assert torch.equal(target, x_0)
+    assert DDPMPipeline.from_pretrained(out).scheduler.config.prediction_type == "sample"
 
 
 # The commands of the Diffusers example's README (examples/unconditional_image_generation/README.md), flags as
@@ -270,3 +332,103 @@ def test_a_dataset_is_required(capsys):
     with pytest.raises(SystemExit):  # one source, not two
         import_script("train_unconditional").parse_args(["--dataset_name", "a", "--train_data_dir", "b"])
     assert "argument --train_data_dir: not allowed with argument --dataset_name" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- stopping: signals and divergence
+
+
+@pytest.fixture(scope="module")
+def stop_args(digits_folder, tiny_unet_config):
+    """12 steps of 2 micro-batches of 2 (3 steps an epoch), EMA and min-SNR; checkpoints at steps 5 and 10, so that
+    the loss is read at 5, 10 and 12."""
+    return ["--train_data_dir", digits_folder, "--model_config_name_or_path", tiny_unet_config, "--resolution", "32",
+            "--random_flip", "--use_ema", "--snr_gamma", "5", "--learning_rate", "1e-3", "--lr_warmup_steps", "2",
+            "--train_batch_size", "2", "--gradient_accumulation_steps", "2", "--max_train_steps", "12",
+            "--checkpointing_steps", "5", "--save_images_epochs", "9", "--ddpm_num_inference_steps", "2",
+            "--eval_batch_size", "1", "--logger", "none"]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory, stop_args):
+    out = tmp_path_factory.mktemp("uninterrupted") / "out"
+    train_in_process(SCRIPT, stop_args + ["--output_dir", out])
+    return out
+
+
+@pytest.fixture
+def signal_handlers():
+    """The process's own SIGTERM and SIGINT handlers, put back after a run in this process installed its own."""
+    saved = {signum: signal.getsignal(signum) for signum in (signal.SIGTERM, signal.SIGINT)}
+    yield
+    for signum, handler in saved.items():
+        signal.signal(signum, handler)
+
+
+def signal_on_call(monkeypatch, owner, name, calls):
+    """SIGTERM to this process at the given calls (1 = the first) of owner.name, just before it runs."""
+    original, count = getattr(owner, name), [0]
+
+    def signalled(*args, **kwargs):
+        count[0] += 1
+        if count[0] in calls:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, signalled)
+
+
+@pytest.mark.parametrize("moment", ["between_steps", "mid_accumulation", "mid_save"])
+def test_a_signal_at_any_moment_saves_and_the_resume_is_exact(moment, stop_args, uninterrupted, tmp_path, caplog,
+                                                              monkeypatch, signal_handlers):
+    """SIGTERM after the first optimizer step, inside the first micro-batch of two, or during every checkpoint
+    save (the one at step 5 and the stop's own): the run saves at the next read of the loss and exits with 75;
+    resumed, it ends bit-equal to the uninterrupted run."""
+    from accelerate import Accelerator
+    from accelerate.scheduler import AcceleratedScheduler
+
+    caplog.set_level("INFO")
+    out = tmp_path / "out"
+    with monkeypatch.context() as patch:
+        if moment == "between_steps":
+            signal_on_call(patch, AcceleratedScheduler, "step", {1})
+        elif moment == "mid_accumulation":
+            signal_on_call(patch, torch, "randn_like", {1})
+        else:
+            signal_on_call(patch, Accelerator, "save_state", {1, 2})
+        with pytest.raises(SystemExit) as stop:
+            train_in_process(SCRIPT, stop_args + ["--output_dir", out])
+    assert stop.value.code == 75
+    stopped = 10 if moment == "mid_save" else 5  # the signal in the save at 5 is read at 10
+    assert f"Stopped at step {stopped}: go on with --resume_from_checkpoint latest" in caplog.text
+    assert checkpoints(out)[-1] == f"checkpoint-{stopped}"
+    train_in_process(SCRIPT, stop_args + ["--output_dir", out, "--resume_from_checkpoint", "latest"])
+    assert_same_weights(weights(out / "unet"), weights(uninterrupted / "unet"))
+    assert_same_weights(weights(out / "checkpoint-10" / "unet_ema"), weights(uninterrupted / "checkpoint-10" / "unet_ema"))
+    assert_same_optimizer_state(out / "checkpoint-10", uninterrupted / "checkpoint-10")
+
+
+def test_sigterm_to_one_process_exits_75_after_a_checkpoint(stop_args, uninterrupted, tmp_path):
+    """The script run by `python` itself, SIGTERM to its process group: exit status 75, the checkpoint, the line
+    that says how to go on."""
+    out = tmp_path / "out"
+    status, log, _ = run_signalled(slow_launcher(tmp_path), stop_args + ["--output_dir", out], out / "checkpoint-5",
+                                   launcher=False)
+    assert status == 75 and "go on with --resume_from_checkpoint latest" in log, log[-3000:]
+    train_in_process(SCRIPT, stop_args + ["--output_dir", out, "--resume_from_checkpoint", "latest"])
+    assert_same_weights(weights(out / "unet"), weights(uninterrupted / "unet"))
+
+
+def test_a_diverged_loss_stops_the_run_before_a_checkpoint_keeps_it(stop_args, tmp_path, run_in_process,
+                                                                      signal_handlers):
+    """An absurd learning rate: the run stops at the first read of an inf or NaN loss, with one line; every
+    checkpoint written before it holds finite weights, and none is written after."""
+    out = tmp_path / "out"
+    args = stop_args + ["--output_dir", out, "--learning_rate", "1e30", "--checkpointing_steps", "1"]
+    error = run_in_process(SCRIPT, args)
+    assert error.startswith("error: the loss is ") and "resume from a checkpoint before it with a lower " \
+        "--learning_rate, or bf16 for fp16" in error and "\n" not in error
+    step = int(error.split(" at step ")[1].split(";")[0])
+    assert not math.isfinite(float(error.split("the loss is ")[1].split(" ")[0]))
+    assert checkpoints(out) == [f"checkpoint-{n}" for n in range(1, step)]
+    for name in checkpoints(out):
+        assert all(torch.isfinite(v).all() for v in weights(out / name / "unet").values()), name

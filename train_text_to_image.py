@@ -17,6 +17,8 @@ import os
 import re
 import shutil
 import signal
+import warnings
+from collections import Counter
 from contextlib import contextmanager
 from datetime import timedelta
 from functools import partial
@@ -37,6 +39,7 @@ from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
 from diffusers.optimization import get_scheduler
 from diffusers.training_utils import EMAModel, compute_snr
 from huggingface_hub import create_repo, upload_folder
+from PIL import Image
 from torchvision import transforms
 from tqdm.auto import tqdm
 from transformers.integrations import unset_hf_deepspeed_config
@@ -70,6 +73,7 @@ def parse_args(argv=None):
     p.add_argument("--output_dir", default="sd-model-finetuned", help="Where outputs go.")
     p.add_argument("--seed", type=int, default=0, help="Seeds weights, data order, noise.")
     p.add_argument("--resolution", type=int, default=512, help="Image side after resize and crop.")
+    p.add_argument("--aspect_ratio_buckets", help='"h1,w1;h2,w2;..." or "auto": uncropped shapes.')
     p.add_argument(
         "--image_interpolation_mode",
         default="lanczos",
@@ -93,7 +97,7 @@ def parse_args(argv=None):
     p.add_argument("--adam_beta2", type=float, default=0.999, help="AdamW's β2 (second moment).")
     p.add_argument("--adam_weight_decay", type=float, default=1e-2, help="AdamW's weight decay.")
     p.add_argument("--adam_epsilon", type=float, default=1e-08, help="AdamW's ε.")
-    p.add_argument("--use_8bit_adam", action="store_true", help="bitsandbytes' 8-bit AdamW (GPU).")
+    p.add_argument("--use_8bit_adam", action="store_true", help="bitsandbytes' 8-bit AdamW.")
     p.add_argument("--max_grad_norm", type=float, default=1.0, help="Clip gradients to this norm.")
     p.add_argument("--use_ema", action="store_true", help="Save and sample an EMA of the weights.")
     p.add_argument("--offload_ema", action="store_true", help="Ignored: memory only.")
@@ -249,40 +253,66 @@ def main(args):
     if args.max_train_samples is not None:
         count = min(args.max_train_samples, len(train_dataset))
         train_dataset = train_dataset.shuffle(seed=args.seed).select(range(count))
-    crop = transforms.CenterCrop if args.center_crop else transforms.RandomCrop
-    interpolation = transforms.InterpolationMode[args.image_interpolation_mode.upper()]
-    # Pixels in [0, 1] become (x - 0.5) / 0.5, in [-1, 1].
-    augment = transforms.Compose(
-        [
-            transforms.Resize(args.resolution, interpolation),
-            crop(args.resolution),
-            transforms.ToTensor(),
-            transforms.Normalize([0.5], [0.5]),
-        ]
+    # CLIP reads 77 tokens: a longer caption is cut there, which the log says once.
+    captions = (
+        [args.instance_prompt] if args.instance_prompt else train_dataset[args.caption_column]
     )
+    captions = [text for one in captions for text in ([one] if isinstance(one, str) else one or [])]
+    too_long = sum(len(ids) > tokenizer.model_max_length for ids in tokenizer(captions).input_ids)
+    if too_long:
+        logger.warning(
+            f"{too_long} captions are over {tokenizer.model_max_length} tokens: cut there"
+        )
+    # Aspect-ratio buckets: each image trains at the size (height, width) of the bucket nearest its
+    # aspect ratio, so that a portrait or a panorama is not cut to a square.
+    bucket_sizes = [(args.resolution, args.resolution)]
+    if args.aspect_ratio_buckets:
+        # A side must divide by the VAE's downsampling times the UNet's.
+        blocks = len(vae.config.block_out_channels) + len(unet.config.block_out_channels)
+        bucket_sizes = parse_buckets(args, step=2 ** (blocks - 2))
+        with accelerator.main_process_first():
+            nearest = partial(nearest_bucket, bucket_sizes=bucket_sizes)
+            train_dataset = train_dataset.map(nearest, input_columns=args.image_column)
+        counts = sorted(Counter(train_dataset["bucket"]).items())
+        logger.info(
+            f"Images per bucket (height, width): { {bucket_sizes[b]: n for b, n in counts} }"
+        )
+    else:
+        train_dataset = train_dataset.add_column("bucket", [0] * len(train_dataset))
+    # Pixels in [0, 1] become (x - 0.5) / 0.5, in [-1, 1].
+    augment = transforms.Compose([transforms.ToTensor(), transforms.Normalize([0.5], [0.5])])
     # --cache_latents: the frozen VAE encodes each image once, here, not in every epoch.
     if args.cache_latents:
-        key = [train_dataset._fingerprint, base_path, args.revision, args.variant, args.resolution]
+        key = [train_dataset._fingerprint, base_path, args.revision, args.variant, bucket_sizes]
         # The main process writes the cache; the others then read its files.
         with accelerator.main_process_first():
             train_dataset = train_dataset.map(
-                partial(encode_latents, args=args, augment=augment, vae=vae),
+                partial(
+                    encode_latents, args=args, augment=augment, bucket_sizes=bucket_sizes, vae=vae
+                ),
                 batched=True,
                 batch_size=args.train_batch_size,
                 remove_columns=args.image_column,
-                new_fingerprint=Hasher.hash([*key, interpolation, args.random_flip, vae.dtype]),
+                new_fingerprint=Hasher.hash(
+                    [*key, args.image_interpolation_mode, args.random_flip]
+                ),
             )
-    size = args.resolution // 2 ** (len(vae.config.block_out_channels) - 1)
-    # A cached latent's shape: its μ and log σ², channel after channel.
-    shape = (2 * vae.config.latent_channels, size, size)
-    transform = partial(preprocess, args=args, augment=augment, tokenizer=tokenizer, shape=shape)
+    factor = 2 ** (len(vae.config.block_out_channels) - 1)
+    # A cached latent's shape in each bucket: its μ and log σ², channel after channel.
+    channels = 2 * vae.config.latent_channels
+    latent_shapes = [
+        (channels, height // factor, width // factor) for height, width in bucket_sizes
+    ]
+    transform = partial(preprocess, args=args, augment=augment, tokenizer=tokenizer)
+    transform = partial(transform, bucket_sizes=bucket_sizes, latent_shapes=latent_shapes)
+    # Its own generator, not the global RNG: see preprocess.
+    generator = torch.Generator().manual_seed(args.seed)
+    batches = dict(batch_size=args.train_batch_size, shuffle=True)
+    if args.aspect_ratio_buckets:
+        sampler = torch.utils.data.RandomSampler(train_dataset, generator=generator)
+        batches = dict(batch_sampler=BucketBatches(sampler, train_dataset["bucket"], args))
     train_dataloader = torch.utils.data.DataLoader(
-        train_dataset,
-        batch_size=args.train_batch_size,
-        shuffle=True,
-        num_workers=args.dataloader_num_workers,
-        # Its own generator, not the global RNG: see preprocess.
-        generator=torch.Generator().manual_seed(args.seed),
+        train_dataset, num_workers=args.dataloader_num_workers, generator=generator, **batches
     )
 
     # 5. Optimizer and LR schedule, over each process's share of the batches
@@ -528,12 +558,20 @@ def read_caption(item, args):
 
 
 def open_image(item):
-    """One image, decoded as `datasets` does it (turned upright by its EXIF orientation)."""
+    """One image in RGB as its owner sees it: upright by its EXIF orientation (as `datasets` decodes
+    it), 16-bit values scaled to 8 bits rather than clipped, transparent pixels on white."""
     with clear_error(f"image {item['path']}"):
-        return datasets.Image().decode_example(item)
+        image = datasets.Image().decode_example(item)
+    # 16-bit greyscale (mode I;16 or I): 0..65535 to 0..255.
+    if image.mode.startswith("I"):
+        image = image.convert("I").point(lambda value: value / 257).convert("L")
+    if image.mode in ("RGBA", "LA", "PA") or "transparency" in image.info:
+        warnings.warn("Transparent pixels are composited on white.")
+        image = Image.alpha_composite(Image.new("RGBA", image.size, "white"), image.convert("RGBA"))
+    return image.convert("RGB")
 
 
-def preprocess(examples, args, augment, tokenizer, shape, epoch):
+def preprocess(examples, args, augment, tokenizer, bucket_sizes, latent_shapes, epoch):
     """Images to tensors (cached: their latents' moments), captions to token ids. As in
     train_unconditional, crop, flip and caption choice come from a seed of (seed, epoch, row)."""
     batch = {"pixel_values": [], "latent_moments": []}
@@ -546,12 +584,14 @@ def preprocess(examples, args, augment, tokenizer, shape, epoch):
             # Drawn only with --random_flip: without it, the crop's draws stay the same.
             flip = args.random_flip and bool(torch.rand(()) < 0.5)
             # The moments of both sides are cached: the flip picks one.
+            bucket = examples["bucket"][i]
             if args.cache_latents:
                 data = bytearray(examples["latent_moments"][i])
-                moments = torch.frombuffer(data, dtype=torch.float32).view(-1, *shape)
-                batch["latent_moments"].append(moments[int(flip)])
+                moments = torch.frombuffer(data, dtype=torch.float32)
+                batch["latent_moments"].append(moments.view(-1, *latent_shapes[bucket])[int(flip)])
             else:
-                pixels = augment(open_image(examples[args.image_column][i]).convert("RGB"))
+                image = open_image(examples[args.image_column][i])
+                pixels = augment(cover_and_crop(image, bucket_sizes[bucket], args))
                 batch["pixel_values"].append(pixels.flip(-1) if flip else pixels)
             # --instance_prompt over the image's own caption; a missing caption (None) is ∅.
             caption = args.instance_prompt or examples[args.caption_column][i] or ""
@@ -569,15 +609,18 @@ def preprocess(examples, args, augment, tokenizer, shape, epoch):
     return batch
 
 
-def encode_latents(examples, args, augment, vae):
+def encode_latents(examples, args, augment, bucket_sizes, vae):
     """Each image's VAE posterior, mean and log-variance, of both sides if flipping: each step
     still draws its own latent z_0 = μ + σ·n. Raw float32 bytes, fast to read."""
-    images = [augment(open_image(item).convert("RGB")) for item in examples[args.image_column]]
-    pixels = torch.stack(images).to(vae.device, vae.dtype)
-    sides = [pixels, pixels.flip(-1)] if args.random_flip else [pixels]
-    with torch.no_grad():
-        moments = torch.stack([vae.encode(side).latent_dist.parameters for side in sides], dim=1)
-    return {"latent_moments": [m.float().cpu().numpy().tobytes() for m in moments]}
+    latent_moments = []
+    for item, bucket in zip(examples[args.image_column], examples["bucket"]):
+        image = cover_and_crop(open_image(item), bucket_sizes[bucket], args)
+        pixels = augment(image)[None].to(vae.device, vae.dtype)
+        sides = torch.cat([pixels, pixels.flip(-1)] if args.random_flip else [pixels])
+        with torch.no_grad():
+            moments = vae.encode(sides).latent_dist.parameters
+        latent_moments.append(moments.float().cpu().numpy().tobytes())
+    return {"latent_moments": latent_moments}
 
 
 @torch.no_grad()
@@ -589,6 +632,67 @@ def sample_latents(vae, batch, args):
     else:
         posterior = vae.encode(batch["pixel_values"].to(vae.dtype)).latent_dist
     return posterior.sample().float() * vae.config.scaling_factor
+
+
+def parse_buckets(args, step):
+    """--aspect_ratio_buckets as sizes (height, width): "h1,w1;h2,w2;..." or, for "auto", sides in
+    steps of `step` px, of about --resolution² pixels, up to 4:1 either way."""
+    if args.aspect_ratio_buckets == "auto":
+        area = args.resolution**2
+        heights = range(step, 4 * args.resolution + 1, step)
+        sizes = {(height, area // height // step * step) for height in heights}
+        sizes |= {(width, height) for height, width in sizes}
+        return sorted(size for size in sizes if 0 < max(size) <= 4 * min(size))
+    with clear_error(f"--aspect_ratio_buckets {args.aspect_ratio_buckets}"):
+        sizes = [tuple(map(int, pair.split(","))) for pair in args.aspect_ratio_buckets.split(";")]
+    if any(len(size) != 2 or min(size) <= 0 or size[0] % step or size[1] % step for size in sizes):
+        raise SystemExit(f"error: --aspect_ratio_buckets: give h,w pairs in steps of {step} px")
+    return sizes
+
+
+def nearest_bucket(item, bucket_sizes):
+    """The bucket whose aspect ratio is nearest the image's, in log scale (2:1 as far as 1:2)."""
+    width, height = open_image(item).size
+    distances = [abs(math.log(w / h * height / width)) for h, w in bucket_sizes]
+    return {"bucket": distances.index(min(distances))}
+
+
+def cover_and_crop(image, size, args):
+    """The image resized to cover size (height, width), never stretched, then cropped to it. A
+    square is torchvision's Resize(side), the shorter side to the side, as without buckets."""
+    scale = max(size[0] / image.height, size[1] / image.width)
+    cover = [math.ceil(image.height * scale), math.ceil(image.width * scale)]
+    interpolation = transforms.InterpolationMode[args.image_interpolation_mode.upper()]
+    image = transforms.functional.resize(
+        image, min(size) if size[0] == size[1] else cover, interpolation
+    )
+    crop = transforms.CenterCrop if args.center_crop else transforms.RandomCrop
+    return crop(size)(image)
+
+
+class BucketBatches(torch.utils.data.BatchSampler):
+    """Batches of one bucket each. accelerate puts its seedable sampler in self.sampler: its order
+    for the epoch, the same on every process, is dealt to the images' buckets; a bucket's batch
+    goes out when full, the part-filled ones at the end of the epoch."""
+
+    def __init__(self, sampler, buckets, args):
+        super().__init__(sampler, args.train_batch_size, drop_last=False)
+        self.buckets = list(buckets)
+        self.size = args.train_batch_size
+        # Told no batch size, accelerate deals batches of several sizes whole to the processes.
+        self.batch_size = None
+
+    def __iter__(self):
+        filling = {}
+        for row in self.sampler:
+            batch = filling.setdefault(self.buckets[row], [])
+            batch.append(row)
+            if len(batch) == self.size:
+                yield filling.pop(self.buckets[row])
+        yield from filling.values()
+
+    def __len__(self):
+        return sum(math.ceil(n / self.size) for n in Counter(self.buckets).values())
 
 
 def min_snr_weights(noise_scheduler, timesteps, snr_gamma):

@@ -17,6 +17,7 @@ import os
 import re
 import shutil
 import signal
+import warnings
 from contextlib import contextmanager
 from datetime import timedelta
 from functools import partial
@@ -33,6 +34,7 @@ from diffusers import DDPMPipeline, DDPMScheduler, UNet2DModel
 from diffusers.optimization import get_scheduler
 from diffusers.training_utils import EMAModel, compute_snr
 from huggingface_hub import create_repo, upload_folder
+from PIL import Image
 from torchvision import transforms
 from tqdm.auto import tqdm
 
@@ -73,7 +75,7 @@ def parse_args(argv=None):
     p.add_argument("--adam_beta2", type=float, default=0.999, help="AdamW's β2 (second moment).")
     p.add_argument("--adam_weight_decay", type=float, default=1e-6, help="AdamW's weight decay.")
     p.add_argument("--adam_epsilon", type=float, default=1e-08, help="AdamW's ε.")
-    p.add_argument("--use_8bit_adam", action="store_true", help="bitsandbytes' 8-bit AdamW (GPU).")
+    p.add_argument("--use_8bit_adam", action="store_true", help="bitsandbytes' 8-bit AdamW.")
     p.add_argument("--max_grad_norm", type=float, default=1.0, help="Clip gradients to this norm.")
     p.add_argument("--use_ema", action="store_true", help="Save and sample an EMA of the weights.")
     p.add_argument("--ema_inv_gamma", type=float, default=1.0, help="EMA warm-up's γ.")
@@ -422,9 +424,17 @@ def load_train_dataset(args, *columns):
 
 
 def open_image(item):
-    """One image, decoded as `datasets` does it (turned upright by its EXIF orientation)."""
+    """One image in RGB as its owner sees it: upright by its EXIF orientation (as `datasets` decodes
+    it), 16-bit values scaled to 8 bits rather than clipped, transparent pixels on white."""
     with clear_error(f"image {item['path']}"):
-        return datasets.Image().decode_example(item)
+        image = datasets.Image().decode_example(item)
+    # 16-bit greyscale (mode I;16 or I): 0..65535 to 0..255.
+    if image.mode.startswith("I"):
+        image = image.convert("I").point(lambda value: value / 257).convert("L")
+    if image.mode in ("RGBA", "LA", "PA") or "transparency" in image.info:
+        warnings.warn("Transparent pixels are composited on white.")
+        image = Image.alpha_composite(Image.new("RGBA", image.size, "white"), image.convert("RGBA"))
+    return image.convert("RGB")
 
 
 def preprocess(examples, args, augment, epoch):
@@ -439,7 +449,7 @@ def preprocess(examples, args, augment, epoch):
             torch.default_generator.manual_seed(seed % 2**32)
             # Drawn only with --random_flip: without it, the crop's draws stay the same.
             flip = args.random_flip and bool(torch.rand(()) < 0.5)
-            pixels = augment(open_image(examples[args.image_column][i]).convert("RGB"))
+            pixels = augment(open_image(examples[args.image_column][i]))
             batch["pixel_values"].append(pixels.flip(-1) if flip else pixels)
     return batch
 

@@ -48,7 +48,6 @@ logger = get_logger(__name__)
 # 1. Arguments: train_unconditional.py's flags, the DiT paper's defaults
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description="Train a class-conditional DiT from scratch.")
-    # The images come from one of two sources.
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--dataset_name", help="A Hub dataset, or a folder `datasets` loads.")
     p.add_argument("--dataset_config_name", help="The dataset's configuration, if it has several.")
@@ -278,8 +277,8 @@ def main(args):
     model, optimizer, train_dataloader, lr_scheduler = accelerator.prepare(
         model, optimizer, train_dataloader, lr_scheduler
     )
-    # Each process draws its own ε and t. (The Diffusers unconditional example never seeds; its
-    # text-to-image examples seed every process alike, if given --seed: the same ε and t on each.)
+    # Each process draws its own ε and t. The Diffusers examples leave them unseeded or, with
+    # --seed, seed every process alike: the same ε and t on each GPU.
     set_seed(args.seed, device_specific=True)
 
     # 6. Checkpoint hooks and resume. save_state stores the optimizer, LR schedule and every

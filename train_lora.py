@@ -55,7 +55,6 @@ def parse_args(argv=None):
     p.add_argument("--pretrained_model_name_or_path", required=True, help="SD 1.x hub id or folder")
     p.add_argument("--revision", help="The model's Git revision on the Hub (branch, tag, commit).")
     p.add_argument("--variant", help='Load the weight files of this variant, e.g. "fp16".')
-    # The images come from one of two sources.
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--dataset_name", help="A Hub dataset, or a folder `datasets` loads.")
     p.add_argument("--dataset_config_name", help="The dataset's configuration, if it has several.")
@@ -361,8 +360,8 @@ def main(args):
     # The text encoder's LoRA learns too: DDP wraps it as well.
     if args.train_text_encoder:
         text_encoder = accelerator.prepare(text_encoder)
-    # Each process draws its own ε and t. (The Diffusers unconditional example never seeds; its
-    # text-to-image examples seed every process alike, if given --seed: the same ε and t on each.)
+    # Each process draws its own ε and t. The Diffusers examples leave them unseeded or, with
+    # --seed, seed every process alike: the same ε and t on each GPU.
     set_seed(args.seed, device_specific=True)
 
     # 6. Checkpoint hooks and resume. save_state stores the optimizer, LR schedule and every

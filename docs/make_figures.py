@@ -35,7 +35,7 @@ SCHEDULES = {  # as diffusers' DDPMScheduler builds them: (beta_schedule, beta_s
 }
 FIGURES = ["forward-process.png", "schedules.png", "min-snr-weights.png", "loss-curves.png",
            "unconditional-over-training.png", "dit-over-training.png", "dit-guidance.png", "dit-objectives.png",
-           "tiny-vae.png",
+           "tiny-vae.png", "buckets.png",
            "text-to-image-over-training.png", "text-to-image-per-digit.png", "lora-before-after.png"]
 
 
@@ -214,6 +214,74 @@ def tiny_vae(runs, out):
     fig.savefig(out / "tiny-vae.png", dpi=130, bbox_inches="tight")
 
 
+def buckets(out):
+    """--aspect_ratio_buckets auto on a mixed folder: what each picture keeps when trained as a
+    square and in its bucket, by train_text_to_image's own open_image, nearest_bucket and
+    cover_and_crop, at --resolution 512 in steps of 64 px (SD 1.5's: the VAE's 8 times the UNet's
+    8)."""
+    import io
+
+    from skimage import data
+
+    sys.path.insert(0, str(REPO))
+    import train_text_to_image as script
+
+    args = script.parse_args(["--pretrained_model_name_or_path", "-", "--train_data_dir", "-",
+                              "--resolution", "512", "--aspect_ratio_buckets", "auto",
+                              "--center_crop"])
+    sizes = script.parse_buckets(args, step=64)
+    photos = {  # scikit-image's bundled photos, cut to the shapes people keep
+        "portrait, 1:2": data.astronaut()[:, 62:318],
+        "panorama, 2.5:1": data.stereo_motorcycle()[0][110:406],
+        "square, 1:1": np.repeat(data.camera()[..., None], 3, axis=2),
+        "landscape, 4:3": data.chelsea()[:, 25:425],
+        "phone shot, 9:16": data.rocket()[:, 190:430],
+    }
+    columns = []
+    for name, pixels in photos.items():
+        file = io.BytesIO()
+        Image.fromarray(pixels).save(file, format="PNG")
+        item = {"path": f"{name}.png", "bytes": file.getvalue()}  # as the dataset holds a file
+        image = script.open_image(item)
+        bucket = sizes[script.nearest_bucket(item, sizes)["bucket"]]
+        scale = 512 / np.sqrt(image.width * image.height)  # shown with 512² pixels, as the crops
+        shown = image.resize((round(image.width * scale), round(image.height * scale)))
+        columns.append([(shown, f"{name}\nfile ({image.height}, {image.width})"),
+                        (script.cover_and_crop(image, (512, 512), args), "(512, 512)"),
+                        (script.cover_and_crop(image, bucket, args), f"bucket {bucket}")])
+    # One canvas in training pixels, so that every crop is drawn at the same scale.
+    gap, text = 90, 210
+    widths = [max(image.width for image, _ in column) for column in columns]
+    heights = [max(column[r][0].height for column in columns) for r in range(3)]
+    tops = np.cumsum([0] + [height + text for height in heights])
+    fig, ax = plt.subplots(figsize=(11, 7.6))
+    left = 0
+    for width, column in zip(widths, columns):
+        for top, height, (image, label) in zip(tops, heights, column):
+            x, y = left + (width - image.width) / 2, top + (height - image.height) / 2
+            ax.imshow(image, extent=(x, x + image.width, y + image.height, y))
+            ax.text(left + width / 2, top + height + 25, label, ha="center", va="top", fontsize=8)
+        left += width + gap
+    rows = ["the picture\n(height, width)", "no buckets:\nsquare crop\n--resolution 512",
+            "--aspect_ratio_buckets\nauto: its bucket\n(height, width)"]
+    for top, height, label in zip(tops, heights, rows):
+        ax.text(-gap, top + height / 2, label, ha="right", va="center", fontsize=9)
+    ax.set(xlim=(-gap / 2, left - gap / 2), ylim=(tops[-1], -gap / 2), aspect="equal")
+    ax.set_title("What training at --resolution 512 keeps of each picture in a mixed folder",
+                 fontsize=10)
+    ax.axis("off")
+    fig.tight_layout()
+    by_ratio = sorted(sizes, key=lambda size: size[0] / size[1])
+    caption(fig, "train_text_to_image.parse_buckets(--resolution 512 --aspect_ratio_buckets auto, "
+                 f"step=64): {len(sizes)} buckets of about 512² pixels, from {by_ratio[0]} to "
+                 f"{by_ratio[-1]}; each picture goes to the bucket nearest its aspect ratio "
+                 "(nearest_bucket) and is resized to cover it, never stretched, then cropped "
+                 "(cover_and_crop, --center_crop; by default the crop is random). Crops of "
+                 "skimage.data's astronaut, stereo_motorcycle, camera, chelsea and rocket; "
+                 "all panels at one scale, the pictures shown with 512² pixels.")
+    fig.savefig(out / "buckets.png", dpi=130, bbox_inches="tight")
+
+
 def sd_pipeline(folder):
     """A saved StableDiffusionPipeline with DPM-Solver, as the scripts' validation samples."""
     from diffusers import DPMSolverMultistepScheduler, StableDiffusionPipeline
@@ -315,6 +383,7 @@ def main(argv=None):
         dit_guidance(runs, args.out)
         dit_objectives(args.out)
         tiny_vae(runs, args.out)
+        buckets(args.out)
         grids_over_training(runs["text_to_image"], args.out, "text-to-image-over-training.png",
                             "train_text_to_image.py: 'a handwritten digit zero' ... 'nine', guidance 3")
         text_to_image_per_digit(runs, args.out)

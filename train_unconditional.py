@@ -108,7 +108,7 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     refused = {
         "hub_token": "a token in a command lands in shell history; run `hf auth login`",
-        "preserve_input_precision": "images are read as 8-bit RGB (16-bit ones scaled, not clipped)",
+        "preserve_input_precision": "images are read as 8-bit RGB (16-bit ones are scaled)",
     }
     ignored = {"enable_xformers_memory_efficient_attention": "PyTorch's SDPA attention is used"}
     for flag, value in vars(args).items():

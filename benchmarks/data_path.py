@@ -58,6 +58,7 @@ def main():
         "latent_moments": [moments] * args.rows,
         "text": ["a photo of a handwritten digit seven"] * args.rows,
         "row": list(range(args.rows)),
+        "bucket": [0] * args.rows,
     }
     datasets.Dataset.from_dict(rows).save_to_disk(work / "cached")
     dataset = datasets.load_from_disk(work / "cached")  # memory-mapped Arrow, as a run reads it
@@ -73,6 +74,8 @@ def main():
         dataset_name=None,
         dataset_config_name=None,
         cache_dir=None,
+        center_crop=True,
+        image_interpolation_mode="lanczos",
     )
     augment = None
     if args.images:
@@ -82,16 +85,16 @@ def main():
 
         script_args.train_data_dir = str(gpu_table.photo_folder(work, 512, args.rows))
         dataset = train_lora.load_train_dataset(script_args, "image")
-        augment = transforms.Compose(
-            [
-                transforms.Resize(512, transforms.InterpolationMode.LANCZOS),
-                transforms.CenterCrop(512),
-                transforms.ToTensor(),
-                transforms.Normalize([0.5], [0.5]),
-            ]
-        )
+        dataset = dataset.add_column("bucket", [0] * len(dataset))
+        # The script resizes and crops in cover_and_crop, then applies this.
+        augment = transforms.Compose([transforms.ToTensor(), transforms.Normalize([0.5], [0.5])])
     transform = partial(
-        train_lora.preprocess, args=script_args, augment=augment, tokenizer=tokenizer, shape=shape
+        train_lora.preprocess,
+        args=script_args,
+        augment=augment,
+        tokenizer=tokenizer,
+        bucket_sizes=[(512, 512)],
+        latent_shapes=[shape],
     )
     dataset.set_transform(partial(transform, epoch=0))
     mib = len(moments) / 2**20

@@ -300,7 +300,7 @@ def main(args):
                 batch_size=args.train_batch_size,
                 remove_columns=args.image_column,
                 new_fingerprint=Hasher.hash(
-                    [*key, args.image_interpolation_mode, args.random_flip]
+                    [*key, args.image_interpolation_mode, args.random_flip, vae.dtype]
                 ),
             )
     factor = 2 ** (len(vae.config.block_out_channels) - 1)
@@ -309,8 +309,14 @@ def main(args):
     latent_shapes = [
         (channels, height // factor, width // factor) for height, width in bucket_sizes
     ]
-    transform = partial(preprocess, args=args, augment=augment, tokenizer=tokenizer)
-    transform = partial(transform, bucket_sizes=bucket_sizes, latent_shapes=latent_shapes)
+    transform = partial(
+        preprocess,
+        args=args,
+        augment=augment,
+        tokenizer=tokenizer,
+        bucket_sizes=bucket_sizes,
+        latent_shapes=latent_shapes,
+    )
     # Its own generator, not the global RNG: see preprocess.
     generator = torch.Generator().manual_seed(args.seed)
     batches = dict(batch_size=args.train_batch_size, shuffle=True)

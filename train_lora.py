@@ -271,11 +271,13 @@ def main(args):
         )
     # Aspect-ratio buckets: each image trains at the size (height, width) of the bucket nearest its
     # aspect ratio, so that a portrait or a panorama is not cut to a square.
+    # Latents are 2^(VAE blocks - 1) times smaller than the images.
+    factor = 2 ** (len(vae.config.block_out_channels) - 1)
     bucket_sizes = [(args.resolution, args.resolution)]
     if args.aspect_ratio_buckets:
-        # A side must divide by the VAE's downsampling times the UNet's.
-        blocks = len(vae.config.block_out_channels) + len(unet.config.block_out_channels)
-        bucket_sizes = parse_buckets(args, step=2 ** (blocks - 2))
+        # A side must divide by the VAE's factor times the UNet's.
+        step = factor * 2 ** (len(unet.config.block_out_channels) - 1)
+        bucket_sizes = parse_buckets(args, step)
         with accelerator.main_process_first():
             nearest = partial(nearest_bucket, bucket_sizes=bucket_sizes)
             train_dataset = train_dataset.map(nearest, input_columns=args.image_column)
@@ -303,7 +305,6 @@ def main(args):
                     [*key, args.image_interpolation_mode, args.random_flip, vae.dtype]
                 ),
             )
-    factor = 2 ** (len(vae.config.block_out_channels) - 1)
     # A cached latent's shape in each bucket: its μ and log σ², channel after channel.
     channels = 2 * vae.config.latent_channels
     latent_shapes = [
@@ -594,8 +595,8 @@ def preprocess(examples, args, augment, tokenizer, bucket_sizes, latent_shapes, 
             torch.default_generator.manual_seed(seed % 2**32)
             # Drawn only with --random_flip: without it, the crop's draws stay the same.
             flip = args.random_flip and bool(torch.rand(()) < 0.5)
-            # The moments of both sides are cached: the flip picks one.
             bucket = examples["bucket"][i]
+            # The moments of both sides are cached: the flip picks one.
             if args.cache_latents:
                 data = bytearray(examples["latent_moments"][i])
                 moments = torch.frombuffer(data, dtype=torch.float32)

@@ -165,7 +165,6 @@ def test_lora_teaches_the_bold_style_and_keeps_the_digits(digits_model, tmp_path
         assert difference < 1e-3
 
 
-
 @pytest.mark.slow
 def test_buckets_denoise_whole_pictures_better_than_square_crops(base, tmp_path):
     """Guide 4's bucket demo, short: two digits side by side, trained with and without

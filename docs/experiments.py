@@ -123,7 +123,9 @@ def judge_objectives(models, per_class=20):
     labels = torch.arange(10).repeat_interleave(per_class)
     results = {}
     for name, (model, schedule) in models.items():
-        solver = DPMSolverMultistepScheduler.from_config(schedule.config)
+        # Every solver's first step at the noisiest t: "trailing" spacing (Lin et al. 2024) for ε and v,
+        # whose saved DDIM config says "leading"; flow's σs ignore the spacing and start at 0.999.
+        solver = DPMSolverMultistepScheduler.from_config(schedule.config, timestep_spacing="trailing")
         for scale in [1.0, 4.0]:
             for steps in SAMPLING_STEPS:
                 images = sample_images(model, solver, labels, scale, steps, generator=torch.manual_seed(0))

@@ -177,7 +177,7 @@ def dit_objectives(out):
                         color=f"C{list(names).index(objective)}", label=f"{name}, guidance {scale:g}")
         if key == "distance":
             ax.axhline(real, color="0.5", lw=0.8, label="real digits")
-        ax.set(xscale="log", xlabel="sampling steps (DPM-Solver++ 2M)", title=label)
+        ax.set(xscale="log", xlabel="sampling steps (DPM-Solver++ 2M, trailing)", title=label)
         ax.set_xticks([1, 2, 5, 10, 25], ["1", "2", "5", "10", "25"])
     fig.tight_layout()
     fig.legend(handles=axes[2].get_lines(), fontsize=7, loc="center left", bbox_to_anchor=(1.0, 0.55))

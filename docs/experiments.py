@@ -254,7 +254,8 @@ def buckets(folder):
     runs = {"square crops (no flag)": [], "--aspect_ratio_buckets 16,32": ["--aspect_ratio_buckets", "16,32"]}
     results = {}
     for name, change in runs.items():
-        results[name] = judge_pairs(load(train("train_text_to_image.py", demo + change, folder / name[:6])), caption)
+        out = train("train_text_to_image.py", demo + change, folder / ("buckets" if change else "square"))
+        results[name] = judge_pairs(load(out), caption)
         print(f"{name}: drawn at 16 x 32, {results[name]['halves']:.0%} of 400 halves are the digit asked for on "
               f"that side, both halves in {results[name]['both']:.0%} of 200", flush=True)
     (REPO / "docs" / "figures" / "bucket-pairs.json").write_text(json.dumps(results) + "\n")

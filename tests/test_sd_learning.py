@@ -1,10 +1,12 @@
 """Does Stable Diffusion in miniature learn on a CPU? data/make_tiny_sd.py builds SD 1.x's pipeline for
 16 px digits (a VAE trained on them, a random CLIP text encoder and UNet); train_text_to_image.py teaches the UNet
-the digits' captions; train_lora.py then teaches it a style it never saw, bold strokes, behind the word "bold".
+the digits' captions; train_lora.py then teaches it a style it never saw, bold strokes, behind the word "bold";
+with --aspect_ratio_buckets, text-to-image learns pictures of two digits side by side that square crops cut.
 
 In CI: the pipeline with a briefly trained VAE and a few steps of each script: the denoising loss on held-out images
-falls, and the LoRA makes 50 samples bolder. `FULL_RUNS=1 pytest tests/test_sd_learning.py -s` runs the README
-demos (about 20 minutes on 2 CPU cores) and prints the figures quoted there.
+falls, the LoRA makes 50 samples bolder, and the bucket model denoises held-out pairs better than the square one.
+`FULL_RUNS=1 pytest tests/test_sd_learning.py -s` runs the README demos (about 20 minutes on 2 CPU cores) and prints
+the figures quoted there; `python docs/experiments.py buckets` runs guide 4's bucket demo.
 """
 
 import json
@@ -179,7 +181,7 @@ def test_buckets_denoise_whole_pictures_better_than_square_crops(base, tmp_path)
     folder = tmp_path / "pairs" / "held-out"
     rows = [json.loads(line) for line in (folder / "metadata.jsonl").read_text().splitlines()]
     # As the scripts resize them at --resolution 16 into the bucket 16,32
-    held_out = np.stack([np.asarray(Image.open(folder / row["file_name"]).resize((32, 16), Image.LANCZOS))
+    held_out = np.stack([np.asarray(Image.open(folder / row["file_name"]).resize((32, 16), Image.Resampling.LANCZOS))
                          for row in rows]).astype(np.float32) / 255
     captions = [row["text"] for row in rows]
     demo = ["--pretrained_model_name_or_path", base, "--train_data_dir", tmp_path / "pairs" / "train",

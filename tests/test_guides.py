@@ -1,0 +1,159 @@
+"""The guides' stated results, rerun. Each test reads the number from the guide's own text and
+runs the command it belongs to, so that a change to either the text or the code breaks it."""
+
+import glob
+import math
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import REPO, import_script, run_script
+
+GUIDE_1 = REPO / "docs" / "1-toy-linear.md"
+W_LIST = r"\[([-\w., ]+)\]"
+SUPERSCRIPT = str.maketrans("⁰¹²³⁴⁵⁶⁷⁸⁹⁻", "0123456789-")
+
+
+def as_w(text):
+    """[2.0018, 2.9973, nan, ...] as floats."""
+    return [float(v) for v in text.split(",")]
+
+
+def same_w(printed, stated):
+    """The printed w (rounded to 4 places by the script) is the stated one, nan for nan."""
+    return len(printed) == len(stated) and all(
+        (math.isnan(a) and math.isnan(b)) or round(a, 4) == b for a, b in zip(printed, stated)
+    )
+
+
+def stated_number(text):
+    """'1.3 × 10³²' or '0.0096' as a float."""
+    mantissa, _, exponent = text.partition(" × 10")
+    return float(mantissa) * 10 ** int(exponent.translate(SUPERSCRIPT) or 0)
+
+
+def toy_run(tmp_path, capsys, flags, name="run"):
+    """toy_linear.py with `flags`, in this process (a second, where a launch takes five): its
+    printed w and its TensorBoard scalars {tag: {step: value}}."""
+    from accelerate.state import AcceleratorState, GradientState
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    toy = import_script("toy_linear")
+    out = tmp_path / name
+    args = toy.parse_args([*flags, "--output_dir", str(out), "--checkpointing_steps", "100000"])
+    capsys.readouterr()
+    try:
+        toy.train_plain(args) if args.plain else toy.main(args)
+    finally:
+        # The next run builds its own state, gradient accumulation included.
+        AcceleratorState._reset_state(reset_partial_state=True)
+        GradientState._reset_state()
+    printed = re.findall(r"learned w: " + W_LIST, capsys.readouterr().out)
+    assert len(printed) == 1
+    scalars = {}
+    for events in glob.glob(f"{out}/logs/**/events.out.tfevents.*", recursive=True):
+        accumulator = EventAccumulator(events)
+        accumulator.Reload()
+        for tag in accumulator.Tags()["scalars"]:
+            scalars[tag] = {e.step: e.value for e in accumulator.Scalars(tag)}
+    return as_w(printed[0]), scalars
+
+
+def table_rows():
+    """Guide 1's 'Edit it yourself' rows: (flags, stated w)."""
+    rows = re.findall(r"^\| `(--[^`]+)` \| " + W_LIST + r" \|", GUIDE_1.read_text(), re.MULTILINE)
+    assert len(rows) >= 6
+    return [(flags, as_w(w)) for flags, w in rows]
+
+
+def test_the_default_w_is_the_one_the_guide_and_the_readme_state(tmp_path, capsys):
+    w, _ = toy_run(tmp_path, capsys, ["--report_to", "none"])
+    plain, _ = toy_run(tmp_path, capsys, ["--plain"], name="plain")
+    guide = re.search(r"default run: .*?learned w = " + W_LIST, GUIDE_1.read_text(), re.DOTALL)
+    readme = re.search(r"toy_linear.py` learns w = " + W_LIST, (REPO / "README.md").read_text())
+    assert same_w(w, as_w(guide.group(1))) and same_w(w, as_w(readme.group(1)))
+    assert plain == w  # --plain "gets the same numbers"
+
+
+@pytest.mark.parametrize("flags, stated", table_rows(), ids=[f for f, _ in table_rows()])
+def test_each_row_of_guide_1s_table_learns_the_w_it_states(tmp_path, capsys, flags, stated):
+    w, _ = toy_run(tmp_path, capsys, [*shlex.split(flags), "--report_to", "none"])
+    assert same_w(w, stated), f"{flags}: printed {w}, guide 1 states {stated}"
+
+
+def test_lr_1_2_diverges_and_the_schedule_brings_it_back(tmp_path, capsys):
+    text = " ".join(GUIDE_1.read_text().split())
+    toy = import_script("toy_linear")
+    x = toy.make_dataset(toy.parse_args([])).tensors[0]
+    eigenvalues = torch.linalg.eigvalsh(2 * x.T @ x / len(x))
+    low, high = re.search(r"its eigenvalues: ([\d.]+) to ([\d.]+)", text).groups()
+    assert (f"{eigenvalues[0]:.2f}", f"{eigenvalues[-1]:.2f}") == (low, high)
+
+    # "grows from A at step S to B at step P, the first step logged after ... lr under 1"
+    found = re.search(
+        r"lr 1\.2 the loss .*? grows from ([^a-z]+) at step (\d+) to ([^a-z]+) at step (\d+), .*?"
+        r"lr under 1\. From then on the loss falls, to ([\d.]+) at step (\d+)",
+        text,
+    )
+    start, first_step, peak, peak_step, end, last_step = found.groups()
+    _, scalars = toy_run(tmp_path, capsys, ["--learning_rate", "1.2"])
+    loss, lr = scalars["loss"], scalars["lr"]
+    assert f"{loss[int(first_step)]:.1e}" == f"{stated_number(start):.1e}"
+    top = max(loss, key=loss.get)
+    assert top == int(peak_step) and f"{loss[top]:.1e}" == f"{stated_number(peak):.1e}"
+    assert loss[top] > 1e6 * loss[int(first_step)]  # far above where it started
+    assert lr[top - 10] > 1 > lr[top]  # the first read after lr fell under 1
+    assert max(loss.keys()) == int(last_step) and f"{loss[int(last_step)]:.2g}" == end
+    # The table's row says the same.
+    row = next(line for line in text.split("| `") if line.startswith("--learning_rate 1.2`"))
+    assert f"{peak} at step {peak_step}" in row
+
+
+def test_lr_1_5_overflows_before_the_schedule_can_help(tmp_path, capsys):
+    text = " ".join(GUIDE_1.read_text().split())
+    found = re.search(
+        r"lr 1\.5 the loss .*?\(inf from step (\d+)\), .*?nan from step (\d+)\), "
+        r"while lr is still above ([\d.]+)",
+        text,
+    )
+    inf_step, nan_step, lr_above = found.groups()
+    _, scalars = toy_run(tmp_path, capsys, ["--learning_rate", "1.5"])
+    loss, lr = scalars["loss"], scalars["lr"]
+    assert min(s for s, v in loss.items() if math.isinf(v)) == int(inf_step)
+    assert min(s for s, v in loss.items() if math.isnan(v)) == int(nan_step)
+    assert lr[int(nan_step)] > float(lr_above)
+    row = next(line for line in text.split("| `") if line.startswith("--learning_rate 1.5`"))
+    assert f"inf from step {inf_step}, nan from step {nan_step}" in row
+
+
+def test_two_processes_at_the_default_batch_learn_the_w_guide_1_states(tmp_path):
+    """Two processes of 32 train on 64 a step, half the steps: close to one process's w, not it.
+    (tests/test_toy_linear.py shows that 2 x 16 gives one process's w exactly.)"""
+    text = " ".join(GUIDE_1.read_text().split())
+    stated = as_w(re.search(r"without `--train_batch_size 16` learns w = " + W_LIST, text)[1])
+    one = as_w(re.search(r"default run: .*?learned w = " + W_LIST, text)[1])
+    log = run_script("toy_linear.py", ["--output_dir", tmp_path, "--report_to", "none"],
+                     num_processes=2)  # fmt: skip
+    printed = as_w(re.findall(r"learned w: " + W_LIST, log)[-1])
+    assert same_w(printed, stated) and stated != one
+    assert max(abs(a - b) for a, b in zip(stated, one)) < 1e-3
+
+
+def test_accelerate_launch_without_a_config_runs_one_process_below_two_gpus():
+    """Guide 1: `accelerate launch --num_processes 2` with no config turns on multi-GPU only when
+    torch sees two GPUs or more; otherwise accelerate's simple launcher runs one process."""
+    from accelerate.commands.config import default_config_file
+    from accelerate.commands.launch import (
+        _validate_launch_command,
+        launch_command_parser,
+    )
+
+    text = " ".join(GUIDE_1.read_text().split())
+    assert "`_validate_launch_command` in `accelerate/commands/launch.py`" in text
+    if Path(default_config_file).exists():
+        pytest.skip(f"an accelerate config exists: {default_config_file}")
+    args = launch_command_parser().parse_args(["--num_processes", "2", "toy_linear.py"])
+    args, _, _ = _validate_launch_command(args)
+    assert args.multi_gpu == (torch.cuda.device_count() > 1)

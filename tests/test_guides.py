@@ -157,3 +157,17 @@ def test_accelerate_launch_without_a_config_runs_one_process_below_two_gpus():
     args = launch_command_parser().parse_args(["--num_processes", "2", "toy_linear.py"])
     args, _, _ = _validate_launch_command(args)
     assert args.multi_gpu == (torch.cuda.device_count() > 1)
+
+
+def test_guide_4s_lines_draw_a_picture_at_the_buckets_shape(tiny_sd_path):
+    """docs/4-text-to-image.md's ```py block on the tests' tiny SD pipeline, as written but for
+    2 sampling steps of its 25."""
+    guide = (REPO / "docs" / "4-text-to-image.md").read_text()
+    block = re.search(r"```py\n(.*?)```", guide, re.DOTALL).group(1)
+    assert '"sd-pairs"' in block and "--output_dir sd-pairs" in guide
+    assert "num_inference_steps=25," in block
+    block = block.replace('"sd-pairs"', repr(tiny_sd_path))
+    block = block.replace("num_inference_steps=25,", "num_inference_steps=2,")
+    namespace = {}
+    exec(block, namespace)  # noqa: S102 (the guide's own lines)
+    assert namespace["image"].size == (32, 16)  # PIL: (width, height)

@@ -171,3 +171,47 @@ def test_guide_4s_lines_draw_a_picture_at_the_buckets_shape(tiny_sd_path):
     namespace = {}
     exec(block, namespace)  # noqa: S102 (the guide's own lines)
     assert namespace["image"].size == (32, 16)  # PIL: (width, height)
+
+
+def fused_adamw_launches(sizes, max_tensors=252, max_blocks=2240, chunk=65536):
+    """Kernels one torch._fused_adamw_ call launches on a CUDA GPU for tensors of these sizes:
+    multi_tensor_apply_for_fused_optimizer's rule (aten/src/ATen/native/cuda/MultiTensorApply.cuh,
+    depth 4, large kernel arguments): launch when 252 tensors or 2,240 chunks are queued."""
+    launches = blocks = tensors = 0
+    for numel in sizes:
+        tensors += 1
+        chunks = -(-numel // chunk)
+        for index in range(chunks):
+            blocks += 1
+            last = index == chunks - 1
+            if (tensors == max_tensors and last) or blocks == max_blocks:
+                launches, blocks, tensors = launches + 1, 0, 0 if last else 1
+    return launches + (blocks > 0)
+
+
+def test_the_sizes_and_kernel_counts_the_guides_state_for_sd_1_5():
+    """SD 1.5's UNet (its config's differences from diffusers' defaults), built on the meta device:
+    guide 2's tensors, numbers and fused AdamW kernels; guide 4's GB; guide 5's LoRA numbers."""
+    from diffusers import UNet2DConditionModel
+    from peft import LoraConfig
+
+    with torch.device("meta"):
+        unet = UNet2DConditionModel(cross_attention_dim=768, attention_head_dim=8, sample_size=64)
+    sizes = [p.numel() for p in unet.parameters()]
+    guide_2 = " ".join((REPO / "docs" / "2-unconditional.md").read_text().split())
+    tensors, millions, kernels = re.search(
+        r"UNet, (\d+) tensors of (\d+) M numbers in all, that rule gives (\d+) kernels", guide_2
+    ).groups()
+    assert (len(sizes), round(sum(sizes) / 1e6)) == (int(tensors), int(millions))
+    assert fused_adamw_launches(sizes) == int(kernels)
+    guide_4 = " ".join((REPO / "docs" / "4-text-to-image.md").read_text().split())
+    fp32, bf16 = re.search(
+        r"in fp32 \(([\d.]+) GB\).* a 16-bit copy \(([\d.]+) GB\)", guide_4
+    ).groups()
+    assert (f"{sum(sizes) * 4 / 1e9:.1f}", f"{sum(sizes) * 2 / 1e9:.1f}") == (fp32, bf16)
+    targets = ["to_k", "to_q", "to_v", "to_out.0"]  # the LoRA script's default
+    unet.add_adapter(LoraConfig(r=4, lora_alpha=4, target_modules=targets))
+    lora = sum(p.numel() for name, p in unet.named_parameters() if "lora_" in name)
+    guide_5 = " ".join((REPO / "docs" / "5-lora.md").read_text().split())
+    stated = re.search(r"attention layers that is ([\d.]+) M numbers", guide_5)[1]
+    assert f"{lora / 1e6:.1f}" == stated

@@ -215,3 +215,49 @@ def test_the_sizes_and_kernel_counts_the_guides_state_for_sd_1_5():
     guide_5 = " ".join((REPO / "docs" / "5-lora.md").read_text().split())
     stated = re.search(r"attention layers that is ([\d.]+) M numbers", guide_5)[1]
     assert f"{lora / 1e6:.1f}" == stated
+
+
+def percent(value):
+    return f"{value:.0%}".replace("%", " %")
+
+
+def test_guide_3s_objectives_table_is_the_json_the_figure_reads():
+    """docs/experiments.py dit_objectives wrote docs/figures/dit-objectives.json; guide 3's table
+    quotes its shares, and docs/make_figures.py draws them."""
+    import json
+
+    results = json.loads((REPO / "docs" / "figures" / "dit-objectives.json").read_text())
+    objectives = {"ε": "epsilon", "v": "v_prediction", "flow": "flow_prediction"}
+    rows = re.findall(
+        r"^\| (ε|v|flow), guidance (\d) +\|(.*)\|$",
+        (REPO / "docs" / "3-dit.md").read_text(),
+        re.MULTILINE,
+    )
+    assert len(rows) == 6
+    for name, scale, cells in rows:
+        stated = [cell.strip() for cell in cells.split("|")]
+        keys = [
+            f"{objectives[name]}, guidance {scale}, {steps} steps" for steps in (1, 2, 5, 10, 25)
+        ]
+        measured = [percent(results[key]["asked_for"]) for key in keys]
+        assert stated == measured, f"{name}, guidance {scale}"
+
+
+def test_guide_4s_and_the_readmes_bucket_shares_are_the_json_the_figure_reads():
+    import json
+
+    results = json.loads((REPO / "docs" / "figures" / "bucket-pairs.json").read_text())
+    buckets, square = results["--aspect_ratio_buckets 16,32"], results["square crops (no flag)"]
+    guide = " ".join((REPO / "docs" / "4-text-to-image.md").read_text().split())
+    stated = re.search(
+        r"With buckets, (\d+ %) of the 400 halves .*?and (\d+ %) of the 200 pictures have both "
+        r"right\. With square crops, (\d+ %) and (\d+ %)",
+        guide,
+    ).groups()
+    measured = [
+        percent(v) for v in (buckets["halves"], buckets["both"], square["halves"], square["both"])
+    ]
+    assert list(stated) == measured
+    readme = " ".join((REPO / "README.md").read_text().split())
+    both = f"{measured[1]} have the digit asked for on both sides after training with buckets, "
+    assert both + f"{measured[3]} after training on square crops" in readme

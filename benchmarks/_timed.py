@@ -13,9 +13,9 @@ A step that a gradient scaler skips (fp16 overflow) is not timed, as it does not
 When the script ends (normally, by sys.exit, or with an error) the JSON file named by $TIMED_JSON
 gets: "step_times" (time.perf_counter() after each step, after torch.cuda.synchronize() on a GPU
 so the step's kernels are done), "max_memory_allocated" (bytes, torch.cuda.max_memory_allocated();
-null without CUDA), "device" (the GPU's name, or "cpu"), "error" (null, or the exception) and "start"
-(time.perf_counter() when this wrapper began: the first step's end minus it is the time to the
-first step, imports, loading and any compilation included).
+null without CUDA), "device" (the GPU's name, or "cpu"), "error" (null, or the exception) and
+"start" (time.perf_counter() when this wrapper began: the first step's end minus it is the time to
+the first step, imports, loading and any compilation included).
 
 With TIMED_COUNT_OPS=1 it also counts every aten operation dispatched (a TorchDispatchMode over the
 whole run, the backward's operations included) and writes "step_ops": for each optimizer step, a
@@ -30,11 +30,16 @@ import sys
 import time
 
 import torch
+from torch.autograd import DeviceType
 from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils._python_dispatch import TorchDispatchMode
 
 step_times, step_ops = [], []
 ops = {}  # the operations dispatched since the last step ended
+# The runtime calls that start work on a GPU: one kernel each, or a whole CUDA graph.
+LAUNCHES = ("LaunchKernel", "GraphLaunch")
+PROFILE_STEP = int(os.environ.get("TIMED_PROFILE", "0"))  # 0: no profile
+profiler = None
 
 
 class CountOps(TorchDispatchMode):
@@ -50,6 +55,37 @@ def record_step(optimizer, args, kwargs):
     step_times.append(time.perf_counter())
     step_ops.append(dict(ops))
     ops.clear()
+    global profiler
+    if len(step_times) == PROFILE_STEP - 1:
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if torch.cuda.is_initialized():
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        profiler = torch.profiler.profile(activities=activities)
+        profiler.start()
+    elif len(step_times) == PROFILE_STEP and profiler:
+        profiler.stop()
+
+
+def profile_summary(cuda):
+    """The recorded step's kernels (a CPU: aten operations), their time and the host's launches."""
+    events = profiler.key_averages()
+    if cuda:
+        copies = ("Memcpy", "Memset")
+        kernels = [e for e in events if e.device_type == DeviceType.CUDA]
+        kernels = [e for e in kernels if not e.key.startswith(copies)]
+        calls = [e for e in events if e.device_type == DeviceType.CPU]
+        launches = sum(e.count for e in calls if any(k in e.key for k in LAUNCHES))
+        ms = [e.self_device_time_total / 1e3 for e in kernels]
+    else:
+        kernels = [e for e in events if e.key.startswith("aten::")]
+        launches, ms = None, [e.self_cpu_time_total / 1e3 for e in kernels]
+    top = sorted(zip(ms, kernels), key=lambda pair: -pair[0])[:10]
+    return {
+        "kernels": sum(e.count for e in kernels),
+        "launches": launches,
+        "busy_ms": sum(ms),
+        "top": [[e.key, e.count, t] for t, e in top],
+    }
 
 
 def main():
@@ -87,6 +123,11 @@ def main():
         }
         if counter:
             result["step_ops"] = step_ops
+        if profiler and len(step_times) >= PROFILE_STEP:
+            try:  # the steps' times stand without it
+                result["profile"] = profile_summary(cuda)
+            except Exception as e:  # noqa: BLE001  whatever the profiler's events lack
+                print(f"_timed.py: no profile summary: {e!r}", file=sys.stderr)
         with open(out, "w") as f:
             json.dump(result, f)
 

@@ -4,7 +4,7 @@ state (train_text_to_image.py) and a rank-4 LoRA on that UNet (train_lora.py).
 It bounds how fast a stopped run can go: torchrun kills its workers 30 s after it forwards a SIGTERM,
 and Slurm sends SIGKILL `KillWait` (30 s by default) after its SIGTERM (docs/reference.md, "Stopping
 and preemption"). The pipeline is SD 1.5 with random weights from its published configs
-(gpu_table.build_sd15): nothing is downloaded. Each script trains one step at 64 px on the bundled
+(_models.build_sd15): nothing is downloaded. Each script trains one step at 64 px on the bundled
 digits, on this machine's default device, and the checkpoint of that step is timed inside the script
 (its own save_checkpoint, wrapped). Prints a row per script: seconds and size.
 
@@ -22,7 +22,7 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(HERE))
 
-from gpu_table import build_sd15  # noqa: E402
+from _models import build_sd15  # noqa: E402
 
 WRAPPER = """import sys, time
 sys.path.insert(0, {repo!r})

@@ -1,6 +1,9 @@
-"""benchmarks/gpu_table.py and its step timer benchmarks/_timed.py: the FLOPs counted on meta
-copies, the timer's step count, and a --tiny table of one LoRA pair on the CPU (about a minute)."""
+"""benchmarks/gpu_table.py, its models (_models.py) and its step timer (_timed.py): the FLOPs
+counted on meta copies, the timer's steps and profile, the plan (order, budget, commands), and
+--tiny tables run on the CPU."""
 
+import ast
+import itertools
 import json
 import os
 import re
@@ -14,37 +17,27 @@ import torch
 from conftest import HF_ENV, REPO
 
 sys.path.insert(0, str(REPO / "benchmarks"))
-import gpu_table  # noqa: E402
+import _models
+import gpu_table
 
 GPU_TABLE = REPO / "benchmarks" / "gpu_table.py"
 PAPER_DIT_XL_2_GFLOPS = 118.6  # DiT paper, table 4: multiply-adds of one forward at 256 px
 
 
 def forward_flops(model, *inputs):
-    return gpu_table.count_flops(lambda: model(*inputs))
+    return _models.count_flops(lambda: model(*inputs))
 
 
 def test_dit_xl_2_forward_is_the_papers_count_and_a_step_three_forwards():
     """FLOPs count a multiply-add as 2: the forward is twice the paper's figure. A training step
     (forward and backward, no frozen encoder on cached latents) is 3 forwards and grows with the
     batch."""
-    model = gpu_table.meta_dit("DiT-XL/2", 256)
-    forward = forward_flops(model, *gpu_table.dit_inputs(model, 1))
+    model = _models.meta_dit("DiT-XL/2", 256)
+    forward = forward_flops(model, *_models.dit_inputs(model, 1))
     assert abs(forward / 2 / (PAPER_DIT_XL_2_GFLOPS * 1e9) - 1) < 0.01
-    step = gpu_table.dit_step_flops("DiT-XL/2", 1, 256)
+    step = _models.dit_step_flops("DiT-XL/2", 1, 256)
     assert abs(step / forward - 3) < 0.01
-    assert gpu_table.dit_step_flops("DiT-XL/2", 4, 256) == pytest.approx(4 * step, rel=1e-3)
-
-
-def test_the_dit_batch_search_doubles_up_to_its_limit():
-    """On a CPU nothing runs out of memory: the search stops at its limit (a GPU stops earlier).
-    One thread: a CPU shared with other jobs makes OpenMP threads wait for each other (10x)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        assert gpu_table.probe_dit_batch("DiT-S/2", 32, 4, device="cpu") == (4, None)
-    finally:
-        torch.set_num_threads(threads)
+    assert _models.dit_step_flops("DiT-XL/2", 4, 256) == pytest.approx(4 * step, rel=1e-3)
 
 
 @pytest.fixture(scope="module")
@@ -55,9 +48,9 @@ def sd15_configs(tmp_path_factory):
 
     path = tmp_path_factory.mktemp("sd15_configs")
     with torch.device("meta"):
-        UNet2DConditionModel(**gpu_table.SD15_UNET).save_config(path / "unet")
-        AutoencoderKL(**gpu_table.SD15_VAE).save_config(path / "vae")
-    CLIPTextConfig(**gpu_table.CLIP_VIT_L14).save_pretrained(path / "text_encoder")
+        UNet2DConditionModel(**_models.SD15_UNET).save_config(path / "unet")
+        AutoencoderKL(**_models.SD15_VAE).save_config(path / "vae")
+    CLIPTextConfig(**_models.CLIP_VIT_L14).save_pretrained(path / "text_encoder")
     return str(path)
 
 
@@ -66,17 +59,17 @@ def test_sd_step_flops_lora_checkpointing_and_cached_latents(sd15_configs):
     the frozen base) but more than the forward (activation gradients through it); gradient
     checkpointing adds up to one forward (the recomputed blocks); cached latents drop exactly the
     VAE encoder; the frozen encoders' forwards are part of the step; FLOPs grow with the batch."""
-    unet = gpu_table.meta_unet(sd15_configs)
-    forward = forward_flops(unet, *gpu_table.unet_inputs(unet, 1, 512))
+    unet = _models.meta_unet(sd15_configs)
+    forward = forward_flops(unet, *_models.unet_inputs(unet, 1, 512))
 
     def step(lora=False, checkpointing=False, cached=False, batch=1):
-        return gpu_table.sd_step_flops(sd15_configs, lora, batch, 512, checkpointing, cached)
+        return _models.sd_step_flops(sd15_configs, lora, batch, 512, checkpointing, cached)
 
     full, parts = step()
     assert parts["unet"] == pytest.approx(3 * forward, rel=0.01)
     assert full == parts["unet"] + parts["text_encoder"] + parts["vae_encoder"]
     assert min(parts.values()) > 0
-    lora, lora_parts = step(lora=True)
+    _, lora_parts = step(lora=True)
     assert forward < lora_parts["unet"] < parts["unet"]
     assert lora_parts["text_encoder"] == parts["text_encoder"]
     for lora_or_not in (False, True):
@@ -109,17 +102,19 @@ sys.exit({code})
 """
 
 
-def test_the_step_timer_records_each_optimizer_step_once(tmp_path):
+def test_the_step_timer_records_each_optimizer_step_once_and_profiles_one(tmp_path):
     """One time per step of torch's AdamW through accelerate's wrapper (which is an Optimizer too,
     but not hooked) and of bitsandbytes' AdamW8bit; the file is written when the script exits with
-    an error too, and the exit code is the script's. (A normal end: the --tiny table below.)"""
+    an error too, and the exit code is the script's. With TIMED_PROFILE=2 the second step's
+    operations are summed (on a CPU: aten operations, no launches), the ten heaviest first."""
     script, out, code = tmp_path / "toy.py", tmp_path / "steps.json", 3
     script.write_text(TOY.format(code=code))
     run = subprocess.run(
         [sys.executable, str(REPO / "benchmarks" / "_timed.py"), str(script), "3", "2", str(code)],
-        env={**os.environ, **HF_ENV, "TIMED_JSON": str(out)},
+        env={**os.environ, **HF_ENV, "TIMED_JSON": str(out), "TIMED_PROFILE": "2"},
         capture_output=True,
         text=True,
+        check=False,
     )
     assert run.returncode == code, run.stderr
     timed = json.loads(out.read_text())
@@ -127,6 +122,93 @@ def test_the_step_timer_records_each_optimizer_step_once(tmp_path):
     assert timed["step_times"] == sorted(timed["step_times"])
     assert timed["error"] == f"SystemExit: {code}"
     assert timed["device"] == "cpu" and timed["max_memory_allocated"] is None
+    profile = timed["profile"]
+    names = [name for name, _, _ in profile["top"]]
+    assert profile["launches"] is None and 0 < len(names) <= 10
+    assert "aten::addmm" in names or "aten::mm" in names  # the Linear's forward
+    times = [ms for _, _, ms in profile["top"]]
+    assert times == sorted(times, reverse=True) and sum(times) <= profile["busy_ms"] + 1e-6
+    assert profile["kernels"] >= sum(n for _, n, _ in profile["top"])
+
+
+def test_the_dry_run_prints_the_plan_in_order_within_the_budget_and_starts_nothing(tmp_path):
+    """Rows in the order given (SCRIPT * as ours, then the reference), each with its estimate and
+    command; a row whose estimate would end past --budget_s is skipped and a later, shorter one
+    still planned; nothing is built or written."""
+    reference = tmp_path / "reference"
+    reference.mkdir()
+    for name in gpu_table.REFERENCE.values():
+        (reference / name).write_text("raise SystemExit('not to be run')\n")
+    rows = ["lora:ours:b4:cache+reduce-overhead", "sd:*:b1:gc", "lora:ours:b4:cache+compile"]
+    rows += ["lora:*:b4:profile"]
+    work_dir, out = tmp_path / "w", tmp_path / "table.md"
+    command = [sys.executable, GPU_TABLE, "--dry_run", "--rows", *rows, "--budget_s", "270"]
+    command += ["--work_dir", work_dir, "--out", out, "--reference_dir", reference]
+    run = subprocess.run(
+        [str(c) for c in command], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert run.returncode == 0, run.stderr
+    lines = run.stdout.splitlines()
+    assert lines[0] == "building the pipeline: ~20 s"  # not built yet: 20 s
+    plan = [line.split(": ", 2) for line in lines[1:-1]]
+    # 20 + 165 = 185, + 25 + 25 = 235; the compile (165) would end at 400; profile ours at 260
+    assert [(row, when) for row, when, _ in plan] == [
+        ("lora:ours:b4:cache+reduce-overhead", "~165 s, ends at ~185 s"),
+        ("sd:ours:b1:gc", "~25 s, ends at ~210 s"),
+        ("sd:reference:b1:gc", "~25 s, ends at ~235 s"),
+        ("lora:ours:b4:cache+compile", "skipped"),
+        ("lora:ours:b4:profile", "~25 s, ends at ~260 s"),
+        ("lora:reference:b4:profile", "skipped"),
+    ]
+    assert lines[-1] == "estimate: ~260 s (--budget_s 270), from the H100 run of 2026-11-26"
+    commands = {row: text for row, _, text in plan}
+    graphs = "ACCELERATE_DYNAMO_BACKEND=INDUCTOR ACCELERATE_DYNAMO_MODE=reduce-overhead "
+    graphs += "TORCH_LOGS=cudagraphs "
+    assert commands["lora:ours:b4:cache+reduce-overhead"].startswith(graphs + str(REPO))
+    assert "--cache_latents" in commands["lora:ours:b4:cache+reduce-overhead"]
+    assert commands["sd:reference:b1:gc"].startswith(str(reference / "train_text_to_image.py"))
+    assert "--gradient_checkpointing" in commands["sd:ours:b1:gc"]
+    assert commands["lora:ours:b4:profile"].startswith("TIMED_PROFILE=20 ")  # the last step
+    assert not work_dir.exists() and not out.exists()
+    with pytest.raises(SystemExit, match="not MODEL:SCRIPT:bBATCH:FLAGS"):
+        gpu_table.parse_rows(gpu_table.parse_args(["--rows", "lora:ours:4:default"]))
+
+
+COMPILED = """
+import torch
+from accelerate import Accelerator
+
+seen = {}
+torch.compile = lambda model, **kwargs: seen.update(kwargs) or model
+Accelerator(cpu=True).prepare(torch.nn.Linear(2, 2))
+print(seen)
+"""
+
+
+def test_the_reduce_overhead_row_reaches_torch_compile_through_accelerate(tmp_path):
+    """The row changes no script: its environment is what `accelerate launch --dynamo_backend
+    inductor --dynamo_mode reduce-overhead` sets, and Accelerator.prepare passes it on."""
+    args = gpu_table.parse_args(["--work_dir", str(tmp_path)])
+    row = gpu_table.Row("lora", "ours", 4, "cache+reduce-overhead")
+    env = gpu_table.run_env(args, extra=gpu_table.row_env(args, row))
+    run = subprocess.run(
+        [sys.executable, "-c", COMPILED], env=env, capture_output=True, text=True, check=False
+    )
+    assert run.returncode == 0, run.stderr
+    assert ast.literal_eval(run.stdout.splitlines()[-1]) == {
+        "backend": "inductor",
+        "mode": "reduce-overhead",
+    }
+
+
+def test_dit_rows_time_the_step_with_dataloader_workers(tmp_path):
+    """The DiT rows load data as a real launch does, in 4 worker processes; --tiny in the main
+    process."""
+    row = gpu_table.Row("dit-b2", "ours", 512, "default")
+    for argv, workers in [([], "4"), (["--tiny"], "0")]:
+        args = gpu_table.parse_args([*argv, "--work_dir", str(tmp_path)])
+        command = gpu_table.script_command(args, row, "PIPELINE", "DATA", "OUT")
+        assert command[command.index("--dataloader_num_workers") + 1] == workers
 
 
 def reference_lora_script():
@@ -140,49 +222,72 @@ def reference_lora_script():
 
 def table_rows(text):
     """The table's rows as dicts keyed by column name."""
-    lines = [line for line in text.splitlines() if line.startswith("| ")]
-    header = [cell.strip() for cell in lines[0].strip("|").split("|")]
-    assert header == gpu_table.COLUMNS
-    return [
-        dict(zip(header, (c.strip() for c in line.strip("|").split("|")))) for line in lines[1:]
+    lines = text.splitlines()
+    start = lines.index("| " + " | ".join(gpu_table.COLUMNS) + " |")
+    lines = list(itertools.takewhile(lambda line: line.startswith("|"), lines[start + 2 :]))
+    cells = [[cell.strip() for cell in line.strip("|").split("|")] for line in lines]
+    return [dict(zip(gpu_table.COLUMNS, row, strict=True)) for row in cells]
+
+
+def run_table(tmp_path, tiny_sd_path, reference, rows, *options):
+    out = tmp_path / "table.md"
+    command = [sys.executable, GPU_TABLE, "--tiny", "--rows", *rows, "--out", out]
+    command += ["--pipeline", tiny_sd_path, "--reference_dir", reference]
+    command += ["--work_dir", tmp_path / "w", *options]
+    run = subprocess.run(
+        [str(c) for c in command],
+        env={**os.environ, **HF_ENV},
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=600,
+    )
+    started = [
+        line.split(": ")[0] for line in run.stderr.splitlines() if line.endswith(": running")
     ]
+    return run, out, started
 
 
-def test_tiny_table_of_a_lora_pair_and_a_failing_row(tiny_sd_path, tmp_path):
-    """--tiny on the CPU: our LoRA script and the reference at batch 1 for 4 steps, each a row with
-    its figures, and the ratio of their img/s; a reference that runs out of memory is a row that
-    says so, and the table is still written. Each row's figures exist only if the timer recorded
-    exactly --steps optimizer steps."""
+def test_tiny_table_in_the_order_given_within_the_budget(tiny_sd_path, tmp_path):
+    """--tiny on the CPU: the rows run in the order given; a row whose estimate (a compile, 165 s)
+    does not fit in --budget_s is not started and says so, and a later row still runs. Our LoRA
+    and the reference at batch 1, each with its figures (only if the timer recorded exactly
+    --steps steps), the ratio of their img/s, and the profile of each one's last step below the
+    table; a reference that runs out of memory is a row that says so."""
     reference = tmp_path / "reference"
     reference.mkdir()
     shutil.copy(reference_lora_script(), reference / gpu_table.REFERENCE["lora"])
     (reference / gpu_table.REFERENCE["sd"]).write_text(
         'raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")\n'
     )
-    out = tmp_path / "table.md"
-    rows = ["lora:*:b1:default", "sd:reference:b1:default"]  # a pair, and a row that will fail
-    options = {"--steps": 4, "--out": out, "--pipeline": tiny_sd_path, "--reference_dir": reference}
-    command = [sys.executable, GPU_TABLE, "--tiny", "--rows", *rows, "--work_dir", tmp_path / "w"]
-    command += [str(x) for pair in options.items() for x in pair]
-    run = subprocess.run(
-        command, env={**os.environ, **HF_ENV}, capture_output=True, text=True, timeout=600
+    rows = ["lora:*:b1:profile", "lora:ours:b1:cache+compile", "sd:reference:b1:default"]
+    run, out, started = run_table(
+        tmp_path, tiny_sd_path, reference, rows, "--steps", "4", "--budget_s", "150"
     )
     assert run.returncode == 0, run.stderr[-4000:]
+    assert started == [
+        "lora:ours:b1:profile",
+        "lora:reference:b1:profile",
+        "sd:reference:b1:default",
+    ]
     text = out.read_text()
     assert text in run.stdout
     assert "CPU (--tiny" in text and f"torch {torch.__version__}" in text
     rows = {(r["script"], r["model"], r["flags"]): r for r in table_rows(text)}
-    assert rows.keys() == {
-        ("ours", "tiny SD LoRA r4", "default"),
-        ("reference", "tiny SD LoRA r4", "default"),
+    assert list(rows) == [
+        ("ours", "tiny SD LoRA r4", "+profile"),
+        ("reference", "tiny SD LoRA r4", "+profile"),
+        ("ours", "tiny SD LoRA r4", "+cached latents +compile"),
         ("reference", "tiny SD UNet", "default"),
-    }
+    ]
+    skipped = rows["ours", "tiny SD LoRA r4", "+cached latents +compile"]["it/s"]
+    assert re.fullmatch(r"skipped: ~165 s, \d+ s of --budget_s left", skipped)
     ours, theirs = (
-        rows["ours", "tiny SD LoRA r4", "default"],
-        rows["reference", "tiny SD LoRA r4", "default"],
+        rows["ours", "tiny SD LoRA r4", "+profile"],
+        rows["reference", "tiny SD LoRA r4", "+profile"],
     )
     # the same FLOPs a step for both: LoRA's UNet forward and backward, text encoder, VAE encoder
-    flops = gpu_table.sd_step_flops(tiny_sd_path, True, 1, 64, False, False)[0]
+    flops = _models.sd_step_flops(tiny_sd_path, True, 1, 64, False, False)[0]
     for row in ours, theirs:
         assert row["batch"] == "1" and float(row["it/s"]) > 0 and row["img/s"] == row["it/s"]
         tflops = float(row["TFLOP/s"]) * 1e12
@@ -198,16 +303,14 @@ def test_tiny_table_of_a_lora_pair_and_a_failing_row(tiny_sd_path, tmp_path):
     )
     assert theirs["ours/ref"] == ""
     assert rows["reference", "tiny SD UNet", "default"]["it/s"] == "OOM"
-
-
-def test_dit_rows_time_the_step_with_dataloader_workers(tmp_path):
-    """The DiT rows load data as a real launch does, in 4 worker processes (--dit_workers);
-    --tiny in the main process."""
-    row = gpu_table.Row("dit-b2", "ours", 512, "default")
-    for argv, workers in [([], "4"), (["--tiny"], "0"), (["--dit_workers", "2"], "2")]:
-        args = gpu_table.parse_args([*argv, "--work_dir", str(tmp_path)])
-        command = gpu_table.script_command(args, row, "PIPELINE", "DATA", "OUT")
-        assert command[command.index("--dataloader_num_workers") + 1] == workers
+    profiles = re.findall(
+        r"Profile of (\S+): its last step took [\d.]+ ms under the profiler; (\d+) ops,", text
+    )
+    assert [(row, int(ops) > 100) for row, ops in profiles] == [
+        ("lora:ours:b1:profile", True),
+        ("lora:reference:b1:profile", True),
+    ]
+    assert text.count("| `aten::") == 20  # the ten heaviest operations of each
 
 
 def test_a_table_cut_short_keeps_the_rows_it_measured(tiny_sd_path, tmp_path):
@@ -217,30 +320,49 @@ def test_a_table_cut_short_keeps_the_rows_it_measured(tiny_sd_path, tmp_path):
     reference.mkdir()
     for name in gpu_table.REFERENCE.values():  # the table's process killed by the second row
         (reference / name).write_text("import os, signal\nos.kill(os.getppid(), signal.SIGKILL)\n")
-    out = tmp_path / "table.md"
-    command = [sys.executable, GPU_TABLE, "--tiny", "--rows", "lora:*:b1:default", "--steps", "3"]
-    command += ["--out", out, "--pipeline", tiny_sd_path, "--reference_dir", reference]
-    command += ["--work_dir", tmp_path / "w"]
-    run = subprocess.run(
-        [str(c) for c in command], env={**os.environ, **HF_ENV}, capture_output=True, timeout=600
+    run, out, _ = run_table(
+        tmp_path, tiny_sd_path, reference, ["lora:*:b1:default"], "--steps", "3"
     )
     assert run.returncode == -signal.SIGKILL
     rows = {r["script"]: r for r in table_rows(out.read_text())}
     assert float(rows["ours"]["it/s"]) > 0 and rows["reference"]["it/s"] == "not run"
 
 
-def test_repeat_runs_every_row_in_turn_and_says_so(tiny_sd_path, tmp_path):
-    """--repeat 2: each row runs twice, the rows in turn (ours, then the reference, then ours...),
-    and the table says its figures are the median of the runs."""
+# A stand-in for the reference: it trains a Linear for --max_train_steps steps the first time it
+# runs, and fails the second.
+ONCE = """
+import sys
+from pathlib import Path
+
+import torch
+
+ran = Path(__file__).with_suffix(".ran")
+if ran.exists():
+    raise RuntimeError("the second run fails")
+ran.touch()
+model = torch.nn.Linear(2, 2)
+optimizer = torch.optim.AdamW(model.parameters())
+for _ in range(int(sys.argv[sys.argv.index("--max_train_steps") + 1])):
+    model(torch.ones(1, 2)).sum().backward()
+    optimizer.step()
+"""
+
+
+def test_repeat_runs_every_row_in_turn_and_keeps_runs_before_a_failure(tiny_sd_path, tmp_path):
+    """--repeat 2: each row runs twice, the rows in turn (ours, the reference, ours, ...), and the
+    table says its figures are the median of the runs; a row whose second run fails keeps the
+    figures of its first, and a note says which run failed."""
     reference = tmp_path / "reference"
     reference.mkdir()
-    shutil.copy(reference_lora_script(), reference / gpu_table.REFERENCE["lora"])
-    out = tmp_path / "table.md"
-    options = {"--steps": 3, "--repeat": 2, "--out": out, "--pipeline": tiny_sd_path, "--reference_dir": reference}
-    command = [sys.executable, GPU_TABLE, "--tiny", "--rows", "lora:*:b1:default", "--work_dir", tmp_path / "w"]
-    command += [str(x) for pair in options.items() for x in pair]
-    run = subprocess.run(command, env={**os.environ, **HF_ENV}, capture_output=True, text=True, timeout=600)
+    (reference / gpu_table.REFERENCE["lora"]).write_text(ONCE)
+    (reference / gpu_table.REFERENCE["sd"]).write_text(ONCE)
+    run, out, started = run_table(
+        tmp_path, tiny_sd_path, reference, ["lora:*:b1:default"], "--steps", "3", "--repeat", "2"
+    )
     assert run.returncode == 0, run.stderr[-4000:]
-    started = [line.split(":")[1] for line in run.stderr.splitlines() if line.endswith(": running")]
-    assert started == ["ours", "reference", "ours", "reference"]
-    assert "every row ran 2 times, in turn" in out.read_text()
+    assert started == ["lora:ours:b1:default", "lora:reference:b1:default"] * 2
+    text = out.read_text()
+    assert "every row ran 2 times, in turn" in text
+    assert "lora:reference:b1:default: run 2 failed: RuntimeError: the second run fails" in text
+    rows = {r["script"]: r for r in table_rows(text)}
+    assert float(rows["ours"]["it/s"]) > 0 and float(rows["reference"]["it/s"]) > 0

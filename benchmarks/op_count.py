@@ -1,11 +1,12 @@
 #!/usr/bin/env python
 """Operations per training step: our LoRA (and text-to-image) script against the Diffusers example.
 
-On a GPU where the host's launching of kernels bounds the step (the SD 1.5 LoRA at 5-7 % MFU:
-benchmarks/gpu_table_h100_2026-11-22.md), every aten operation dispatched costs about the same, so
-their count per step is the step time; it can be counted on a CPU. Each script runs as its own
-process through benchmarks/_timed.py with TIMED_COUNT_OPS=1, on the tests' tiny Stable Diffusion
-(64 px), with the same flags (below), and the operations of the steps after --warmup are averaged:
+On a GPU where the host's launching of kernels bounds the step (the SD 1.5 LoRA at batch 4: 7.6 %
+MFU, and no faster without the VAE's FLOPs, in benchmarks/gpu_table_h100_2026-11-26.md), every
+aten operation dispatched costs about the same, so their count per step is the step time; it can
+be counted on a CPU. Each script runs as its own process through benchmarks/_timed.py with
+TIMED_COUNT_OPS=1, on the tests' tiny Stable Diffusion (64 px), with the same flags (below), and
+the operations of the steps after --warmup are averaged:
 
     python benchmarks/op_count.py                      # LoRA, bf16
     python benchmarks/op_count.py --models lora sd --mixed_precision no bf16

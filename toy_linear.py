@@ -6,7 +6,7 @@ nine numbered sections of every diffusion script here: the bare skeleton, nothin
 
     python toy_linear.py --plain                        # plain PyTorch
     python toy_linear.py                                # under Accelerate
-    accelerate launch --num_processes 2 toy_linear.py   # data-parallel: the same w again
+    accelerate launch --num_processes 2 toy_linear.py --train_batch_size 16  # the same w
 """
 
 import argparse
@@ -192,14 +192,10 @@ def list_checkpoints(output_dir):
 
 
 def save_checkpoint(accelerator, args, global_step):
-    """Keep at most --checkpoints_total_limit, then write tmp-checkpoint-N and rename it: a crash
-    leaves no half-written checkpoint-N for `latest`."""
+    """Write tmp-checkpoint-N, rename it, then remove the oldest over the limit: a crash at any
+    moment leaves a whole checkpoint for `latest`."""
     path = f"{args.output_dir}/checkpoint-{global_step}"
     tmp = f"{args.output_dir}/tmp-checkpoint-{global_step}"
-    if accelerator.is_main_process and args.checkpoints_total_limit is not None:
-        old = list_checkpoints(args.output_dir)
-        for name in old[: max(0, len(old) - args.checkpoints_total_limit + 1)]:
-            shutil.rmtree(f"{args.output_dir}/{name}")
     # On every process: each writes its RNG states.
     accelerator.save_state(tmp)
     accelerator.wait_for_everyone()
@@ -208,6 +204,11 @@ def save_checkpoint(accelerator, args, global_step):
         shutil.rmtree(path, ignore_errors=True)
         os.rename(tmp, path)
         logger.info(f"Saved {path}")
+        if args.checkpoints_total_limit is not None:
+            old = list_checkpoints(args.output_dir)
+            old.remove(os.path.basename(path))
+            for name in old[: max(0, len(old) + 1 - args.checkpoints_total_limit)]:
+                shutil.rmtree(f"{args.output_dir}/{name}")
 
 
 def resume_from_checkpoint(accelerator, args):

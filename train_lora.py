@@ -16,6 +16,7 @@ import os
 import re
 import shutil
 import signal
+import time
 import warnings
 from collections import Counter
 from contextlib import contextmanager
@@ -74,7 +75,9 @@ def parse_args(argv=None):
     p.add_argument("--output_dir", default="sd-model-finetuned-lora", help="Where outputs go.")
     p.add_argument("--seed", type=int, default=0, help="Seeds weights, data order, noise.")
     p.add_argument("--resolution", type=int, default=512, help="Image side after resize and crop.")
-    p.add_argument("--aspect_ratio_buckets", help='"h1,w1;h2,w2;..." or "auto": uncropped shapes.')
+    p.add_argument(
+        "--aspect_ratio_buckets", help='"h,w;h,w;..." or "auto": the nearest aspect ratio.'
+    )
     p.add_argument(
         "--image_interpolation_mode",
         default="lanczos",
@@ -179,9 +182,11 @@ def main(args):
     if plugin and args.train_text_encoder:
         raise SystemExit("error: --train_text_encoder needs DDP, not DeepSpeed")
     logging.basicConfig(level=logging.INFO)
-    # SIGTERM (a scheduler's notice) or SIGINT (Ctrl-C): save and stop at the next read of the loss.
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, lambda *_: accelerator.set_trigger())
+    # SIGTERM (a scheduler's notice) or SIGINT (Ctrl-C) before the first step ends the run at once.
+    handle_signals(accelerator, args, at_once=True)
+    # The file that said an earlier run was stopped (see stop_run).
+    if accelerator.is_main_process:
+        Path(args.output_dir, "stopped").unlink(missing_ok=True)
     # The same initial weights on every process.
     set_seed(args.seed)
     torch.backends.cuda.matmul.allow_tf32 = args.allow_tf32
@@ -325,7 +330,11 @@ def main(args):
         sampler = torch.utils.data.RandomSampler(train_dataset, generator=generator)
         batches = dict(batch_sampler=BucketBatches(sampler, train_dataset["bucket"], args))
     train_dataloader = torch.utils.data.DataLoader(
-        train_dataset, num_workers=args.dataloader_num_workers, generator=generator, **batches
+        train_dataset,
+        num_workers=args.dataloader_num_workers,
+        generator=generator,
+        worker_init_fn=ignore_signals,
+        **batches,
     )
 
     # 5. Optimizer and LR schedule, over each process's share of the batches
@@ -333,7 +342,7 @@ def main(args):
     total_batch_size = args.train_batch_size * accelerator.num_processes * accumulation
     if args.scale_lr:
         args.learning_rate *= total_batch_size
-    # fused: one kernel for all the weights.
+    # fused: one call updates all the weights (on CUDA, a kernel per chunk of them).
     optimizer_class = partial(torch.optim.AdamW, fused=True)
     if args.use_8bit_adam:
         import bitsandbytes
@@ -361,6 +370,9 @@ def main(args):
         num_warmup_steps=args.lr_warmup_steps,
         num_training_steps=max_train_steps,
     )
+    # DeepSpeed's "auto" micro-batch is read from the DataLoader, which buckets leave without one.
+    if plugin is not None and plugin.is_auto("train_micro_batch_size_per_gpu"):
+        plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = args.train_batch_size
     unet, optimizer, train_dataloader, lr_scheduler = accelerator.prepare(
         unet, optimizer, train_dataloader, lr_scheduler
     )
@@ -410,6 +422,8 @@ def main(args):
     progress_bar = tqdm(
         range(max_train_steps), initial=global_step, disable=not accelerator.is_local_main_process
     )
+    # From now on a signal saves a checkpoint first.
+    handle_signals(accelerator, args, at_once=False)
     # The loss is summed on the device, read every 10 steps: a read makes the CPU wait.
     train_loss = 0.0
     logged_step = global_step
@@ -424,6 +438,9 @@ def main(args):
         if epoch == first_epoch and skip_batches:
             batches = accelerator.skip_first_batches(train_dataloader, skip_batches)
         for batch in batches:
+            # Done, also when resuming the checkpoint of the last step.
+            if global_step >= max_train_steps:
+                break
             with accelerator.accumulate(unet, text_encoder):
                 # z_0 ~ q(z_0): a batch of training images' latents.
                 latents = sample_latents(vae, batch, args)
@@ -473,7 +490,9 @@ def main(args):
                 global_step += 1
                 progress_bar.update(1)
                 save = global_step % args.checkpointing_steps == 0
-                if global_step % 10 == 0 or save or global_step >= max_train_steps:
+                # Read before anything is saved: a checkpoint, at an epoch's end, at the last step.
+                end = global_step % steps_per_epoch == 0 or global_step >= max_train_steps
+                if global_step % 10 == 0 or save or end:
                     # The mean loss of the steps since the last read, over every process.
                     steps = global_step - logged_step
                     mean_loss = accelerator.reduce(train_loss, "mean").item() / steps
@@ -493,13 +512,7 @@ def main(args):
                 if save or stopped:
                     save_checkpoint(accelerator, args, global_step)
                 if stopped:
-                    logger.info(
-                        f"Stopped at step {global_step}: go on with --resume_from_checkpoint latest"
-                    )
-                    # sysexits' EX_TEMPFAIL, "try again later": a status a scheduler can requeue.
-                    raise SystemExit(75)
-            if global_step >= max_train_steps:
-                break
+                    stop_run(accelerator, args, f"Stopped at step {global_step}")
 
         # 8. Validation: the prompts from fixed noise, without and with the LoRA (EMA if any)
         last_epoch = epoch == num_epochs - 1 or global_step >= max_train_steps
@@ -508,6 +521,10 @@ def main(args):
             # The base pipeline holds the very modules that train: no second copy, none cast.
             base.scheduler = DPMSolverMultistepScheduler.from_config(noise_scheduler.config)
             log_validation(accelerator, args, base, ema_model, global_step, lora_params)
+        # A signal during validation stops the run here, with a checkpoint.
+        if accelerator.check_trigger():
+            save_checkpoint(accelerator, args, global_step)
+            stop_run(accelerator, args, f"Stopped at step {global_step}")
         if last_epoch:
             break
 
@@ -571,13 +588,21 @@ def read_caption(item, args):
 
 def open_image(item):
     """One image in RGB as its owner sees it: upright by its EXIF orientation (as `datasets` decodes
-    it), 16-bit values scaled to 8 bits rather than clipped, transparent pixels on white."""
+    it), 16-bit values rounded to 8 bits rather than clipped, transparent pixels on white."""
     with clear_error(f"image {item['path']}"):
         image = datasets.Image().decode_example(item)
-    # 16-bit greyscale (mode I;16 or I): 0..65535 to 0..255.
-    if image.mode.startswith("I"):
-        image = image.convert("I").point(lambda value: value / 257).convert("L")
-    if image.mode in ("RGBA", "LA", "PA") or "transparency" in image.info:
+    # One channel of 16 bits (modes I;16, I) or floats (F): 0..65535 or 0..1 to 0..255, rounded; a
+    # PNG's transparent value (tRNS) is compared before, as an alpha channel.
+    if image.mode[0] in "IF":
+        values = transforms.functional.pil_to_tensor(image).double()
+        top = 1 if image.mode == "F" else 65535
+        if not 0 <= values.min() <= values.max() <= top:
+            raise SystemExit(f"error: image {item['path']}: values outside 0..{top}")
+        layers = [(values * 255 / top).round().byte()]
+        if "transparency" in image.info:
+            layers.append((values != image.info["transparency"]).byte() * 255)
+        image = transforms.functional.to_pil_image(torch.cat(layers))
+    if image.has_transparency_data:
         warnings.warn("Transparent pixels are composited on white.")
         image = Image.alpha_composite(Image.new("RGBA", image.size, "white"), image.convert("RGBA"))
     return image.convert("RGB")
@@ -654,6 +679,10 @@ def parse_buckets(args, step):
         heights = range(step, 4 * args.resolution + 1, step)
         sizes = {(height, area // height // step * step) for height in heights}
         sizes |= {(width, height) for height, width in sizes}
+        if args.resolution < step:
+            raise SystemExit(
+                f"error: --aspect_ratio_buckets auto needs --resolution {step} or more"
+            )
         return sorted(size for size in sizes if 0 < max(size) <= 4 * min(size))
     with clear_error(f"--aspect_ratio_buckets {args.aspect_ratio_buckets}"):
         sizes = [tuple(map(int, pair.split(","))) for pair in args.aspect_ratio_buckets.split(";")]
@@ -724,14 +753,10 @@ def list_checkpoints(output_dir):
 
 
 def save_checkpoint(accelerator, args, global_step):
-    """Keep at most --checkpoints_total_limit, then write tmp-checkpoint-N and rename it: a crash
-    leaves no half-written checkpoint-N for `latest`."""
+    """Write tmp-checkpoint-N, rename it, then remove the oldest over the limit: a crash at any
+    moment leaves a whole checkpoint for `latest`."""
     path = f"{args.output_dir}/checkpoint-{global_step}"
     tmp = f"{args.output_dir}/tmp-checkpoint-{global_step}"
-    if accelerator.is_main_process and args.checkpoints_total_limit is not None:
-        old = list_checkpoints(args.output_dir)
-        for name in old[: max(0, len(old) - args.checkpoints_total_limit + 1)]:
-            shutil.rmtree(f"{args.output_dir}/{name}")
     # On every process: each writes its RNG states. DeepSpeed stores no frozen weights.
     accelerator.save_state(tmp, exclude_frozen_parameters=True)
     accelerator.wait_for_everyone()
@@ -740,6 +765,44 @@ def save_checkpoint(accelerator, args, global_step):
         shutil.rmtree(path, ignore_errors=True)
         os.rename(tmp, path)
         logger.info(f"Saved {path}")
+        if args.checkpoints_total_limit is not None:
+            old = list_checkpoints(args.output_dir)
+            old.remove(os.path.basename(path))
+            for name in old[: max(0, len(old) + 1 - args.checkpoints_total_limit)]:
+                shutil.rmtree(f"{args.output_dir}/{name}")
+
+
+def handle_signals(accelerator, args, at_once):
+    """SIGTERM (a scheduler's notice), SIGINT (Ctrl-C): at_once, before the first step, the run
+    ends; later the first asks the loop to save and stop (set_trigger), a second ends the run."""
+    received = []
+
+    def handler(signum, frame):
+        # torchrun passes on to each process the signal it got already: a repeat within 1 s.
+        if not received or time.monotonic() - received[-1] > 1:
+            received.append(time.monotonic())
+            if at_once or len(received) > 1:
+                stop_run(accelerator, args, f"Stopped by {signal.Signals(signum).name}")
+            accelerator.set_trigger()
+
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, handler)
+
+
+def ignore_signals(worker_id):
+    """A DataLoader worker leaves the group's signals to the main process, which saves first."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def stop_run(accelerator, args, why):
+    """Exit 75 (EX_TEMPFAIL, "try again later"), leaving the file `stopped` for a scheduler:
+    `accelerate launch` turns several processes' 75 into 1."""
+    if accelerator.is_main_process:
+        os.makedirs(args.output_dir, exist_ok=True)
+        Path(args.output_dir, "stopped").write_text(why)
+    logger.info(f"{why}: go on with --resume_from_checkpoint latest")
+    raise SystemExit(75)
 
 
 def resume_from_checkpoint(accelerator, args):

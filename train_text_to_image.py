@@ -17,6 +17,7 @@ import os
 import re
 import shutil
 import signal
+import time
 import warnings
 from collections import Counter
 from contextlib import contextmanager
@@ -72,7 +73,9 @@ def parse_args(argv=None):
     p.add_argument("--output_dir", default="sd-model-finetuned", help="Where outputs go.")
     p.add_argument("--seed", type=int, default=0, help="Seeds weights, data order, noise.")
     p.add_argument("--resolution", type=int, default=512, help="Image side after resize and crop.")
-    p.add_argument("--aspect_ratio_buckets", help='"h1,w1;h2,w2;..." or "auto": uncropped shapes.')
+    p.add_argument(
+        "--aspect_ratio_buckets", help='"h,w;h,w;..." or "auto": the nearest aspect ratio.'
+    )
     p.add_argument(
         "--image_interpolation_mode",
         default="lanczos",
@@ -189,9 +192,11 @@ def main(args):
     if sharded and (args.use_ema or not plugin.zero3_save_16bit_model):
         raise SystemExit("error: ZeRO-3 needs --zero3_save_16bit_model true and no --use_ema")
     logging.basicConfig(level=logging.INFO)
-    # SIGTERM (a scheduler's notice) or SIGINT (Ctrl-C): save and stop at the next read of the loss.
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, lambda *_: accelerator.set_trigger())
+    # SIGTERM (a scheduler's notice) or SIGINT (Ctrl-C) before the first step ends the run at once.
+    handle_signals(accelerator, args, at_once=True)
+    # The file that said an earlier run was stopped (see stop_run).
+    if accelerator.is_main_process:
+        Path(args.output_dir, "stopped").unlink(missing_ok=True)
     # The same initial weights on every process.
     set_seed(args.seed)
     torch.backends.cuda.matmul.allow_tf32 = args.allow_tf32
@@ -232,14 +237,9 @@ def main(args):
     if args.gradient_checkpointing:
         unet.enable_gradient_checkpointing()
     ema_model = None
-    # An EMA of the whole UNet, saved with its config.
+    # An EMA of the whole UNet.
     if args.use_ema:
-        ema_model = EMAModel(
-            unet.parameters(),
-            model_cls=UNet2DConditionModel,
-            model_config=unet.config,
-            foreach=args.foreach_ema,
-        )
+        ema_model = EMAModel(unet.parameters(), foreach=args.foreach_ema)
 
     # 4. Data: images resized, cropped, flipped, scaled to [-1, 1]; captions tokenized
     train_dataset = load_train_dataset(args, args.image_column)
@@ -318,7 +318,11 @@ def main(args):
         sampler = torch.utils.data.RandomSampler(train_dataset, generator=generator)
         batches = dict(batch_sampler=BucketBatches(sampler, train_dataset["bucket"], args))
     train_dataloader = torch.utils.data.DataLoader(
-        train_dataset, num_workers=args.dataloader_num_workers, generator=generator, **batches
+        train_dataset,
+        num_workers=args.dataloader_num_workers,
+        generator=generator,
+        worker_init_fn=ignore_signals,
+        **batches,
     )
 
     # 5. Optimizer and LR schedule, over each process's share of the batches
@@ -326,7 +330,7 @@ def main(args):
     total_batch_size = args.train_batch_size * accelerator.num_processes * accumulation
     if args.scale_lr:
         args.learning_rate *= total_batch_size
-    # fused: one kernel for all the weights.
+    # fused: one call updates all the weights (on CUDA, a kernel per chunk of them).
     optimizer_class = partial(torch.optim.AdamW, fused=True)
     if args.use_8bit_adam:
         import bitsandbytes
@@ -348,6 +352,9 @@ def main(args):
         num_warmup_steps=args.lr_warmup_steps,
         num_training_steps=max_train_steps,
     )
+    # DeepSpeed's "auto" micro-batch is read from the DataLoader, which buckets leave without one.
+    if plugin is not None and plugin.is_auto("train_micro_batch_size_per_gpu"):
+        plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = args.train_batch_size
     unet, optimizer, train_dataloader, lr_scheduler = accelerator.prepare(
         unet, optimizer, train_dataloader, lr_scheduler
     )
@@ -356,13 +363,11 @@ def main(args):
     set_seed(args.seed, device_specific=True)
 
     # 6. Checkpoint hooks and resume. save_state stores the optimizer, LR schedule and every
-    #    process's RNG states; the hooks add the model (and EMA) as `from_pretrained` folders.
+    #    process's RNG states; the hooks add the model as a `from_pretrained` folder.
     def save_model_hook(models, weights, output_dir):
         # Under ZeRO-3 each process holds a part of the UNet, which DeepSpeed's files store.
         if accelerator.is_main_process and not sharded:
             unwrap(models[0]).save_pretrained(f"{output_dir}/unet")
-            if ema_model is not None:
-                ema_model.save_pretrained(f"{output_dir}/unet_ema")
         # Saved above: accelerate must not store them again.
         weights.clear()
 
@@ -370,12 +375,12 @@ def main(args):
         if models:
             loaded = UNet2DConditionModel.from_pretrained(input_dir, subfolder="unet")
             unwrap(models.pop()).load_state_dict(loaded.state_dict())
-        if ema_model is not None:
-            loaded = EMAModel.from_pretrained(f"{input_dir}/unet_ema", UNet2DConditionModel)
-            ema_model.load_state_dict(loaded.state_dict())
 
     accelerator.register_save_state_pre_hook(save_model_hook)
     accelerator.register_load_state_pre_hook(load_model_hook)
+    # The EMA's state, as it is (EMAModel.save_pretrained would draw from the RNG of ε and t).
+    if ema_model is not None:
+        accelerator.register_for_checkpointing(ema_model)
     global_step = resume_from_checkpoint(accelerator, args)
     # The EMA goes to the device after the resume, which loads it on the CPU.
     if ema_model is not None:
@@ -390,6 +395,8 @@ def main(args):
     progress_bar = tqdm(
         range(max_train_steps), initial=global_step, disable=not accelerator.is_local_main_process
     )
+    # From now on a signal saves a checkpoint first.
+    handle_signals(accelerator, args, at_once=False)
     # The loss is summed on the device, read every 10 steps: a read makes the CPU wait.
     train_loss = 0.0
     logged_step = global_step
@@ -404,6 +411,9 @@ def main(args):
         if epoch == first_epoch and skip_batches:
             batches = accelerator.skip_first_batches(train_dataloader, skip_batches)
         for batch in batches:
+            # Done, also when resuming the checkpoint of the last step.
+            if global_step >= max_train_steps:
+                break
             with accelerator.accumulate(unet):
                 # z_0 ~ q(z_0): a batch of training images' latents.
                 latents = sample_latents(vae, batch, args)
@@ -458,7 +468,9 @@ def main(args):
                 global_step += 1
                 progress_bar.update(1)
                 save = global_step % args.checkpointing_steps == 0
-                if global_step % 10 == 0 or save or global_step >= max_train_steps:
+                # Read before anything is saved: a checkpoint, at an epoch's end, at the last step.
+                end = global_step % steps_per_epoch == 0 or global_step >= max_train_steps
+                if global_step % 10 == 0 or save or end:
                     # The mean loss of the steps since the last read, over every process.
                     steps = global_step - logged_step
                     mean_loss = accelerator.reduce(train_loss, "mean").item() / steps
@@ -478,13 +490,7 @@ def main(args):
                 if save or stopped:
                     save_checkpoint(accelerator, args, global_step)
                 if stopped:
-                    logger.info(
-                        f"Stopped at step {global_step}: go on with --resume_from_checkpoint latest"
-                    )
-                    # sysexits' EX_TEMPFAIL, "try again later": a status a scheduler can requeue.
-                    raise SystemExit(75)
-            if global_step >= max_train_steps:
-                break
+                    stop_run(accelerator, args, f"Stopped at step {global_step}")
 
         # 8. Validation: the prompts from fixed noise, with the EMA weights if any
         last_epoch = epoch == num_epochs - 1 or global_step >= max_train_steps
@@ -494,6 +500,10 @@ def main(args):
             # The base pipeline holds the very modules that train: no second copy, none cast.
             base.scheduler = DPMSolverMultistepScheduler.from_config(noise_scheduler.config)
             log_validation(accelerator, args, base, ema_model, global_step)
+        # A signal during validation stops the run here, with a checkpoint.
+        if accelerator.check_trigger():
+            save_checkpoint(accelerator, args, global_step)
+            stop_run(accelerator, args, f"Stopped at step {global_step}")
         if last_epoch:
             break
 
@@ -565,13 +575,21 @@ def read_caption(item, args):
 
 def open_image(item):
     """One image in RGB as its owner sees it: upright by its EXIF orientation (as `datasets` decodes
-    it), 16-bit values scaled to 8 bits rather than clipped, transparent pixels on white."""
+    it), 16-bit values rounded to 8 bits rather than clipped, transparent pixels on white."""
     with clear_error(f"image {item['path']}"):
         image = datasets.Image().decode_example(item)
-    # 16-bit greyscale (mode I;16 or I): 0..65535 to 0..255.
-    if image.mode.startswith("I"):
-        image = image.convert("I").point(lambda value: value / 257).convert("L")
-    if image.mode in ("RGBA", "LA", "PA") or "transparency" in image.info:
+    # One channel of 16 bits (modes I;16, I) or floats (F): 0..65535 or 0..1 to 0..255, rounded; a
+    # PNG's transparent value (tRNS) is compared before, as an alpha channel.
+    if image.mode[0] in "IF":
+        values = transforms.functional.pil_to_tensor(image).double()
+        top = 1 if image.mode == "F" else 65535
+        if not 0 <= values.min() <= values.max() <= top:
+            raise SystemExit(f"error: image {item['path']}: values outside 0..{top}")
+        layers = [(values * 255 / top).round().byte()]
+        if "transparency" in image.info:
+            layers.append((values != image.info["transparency"]).byte() * 255)
+        image = transforms.functional.to_pil_image(torch.cat(layers))
+    if image.has_transparency_data:
         warnings.warn("Transparent pixels are composited on white.")
         image = Image.alpha_composite(Image.new("RGBA", image.size, "white"), image.convert("RGBA"))
     return image.convert("RGB")
@@ -648,6 +666,10 @@ def parse_buckets(args, step):
         heights = range(step, 4 * args.resolution + 1, step)
         sizes = {(height, area // height // step * step) for height in heights}
         sizes |= {(width, height) for height, width in sizes}
+        if args.resolution < step:
+            raise SystemExit(
+                f"error: --aspect_ratio_buckets auto needs --resolution {step} or more"
+            )
         return sorted(size for size in sizes if 0 < max(size) <= 4 * min(size))
     with clear_error(f"--aspect_ratio_buckets {args.aspect_ratio_buckets}"):
         sizes = [tuple(map(int, pair.split(","))) for pair in args.aspect_ratio_buckets.split(";")]
@@ -718,14 +740,10 @@ def list_checkpoints(output_dir):
 
 
 def save_checkpoint(accelerator, args, global_step):
-    """Keep at most --checkpoints_total_limit, then write tmp-checkpoint-N and rename it: a crash
-    leaves no half-written checkpoint-N for `latest`."""
+    """Write tmp-checkpoint-N, rename it, then remove the oldest over the limit: a crash at any
+    moment leaves a whole checkpoint for `latest`."""
     path = f"{args.output_dir}/checkpoint-{global_step}"
     tmp = f"{args.output_dir}/tmp-checkpoint-{global_step}"
-    if accelerator.is_main_process and args.checkpoints_total_limit is not None:
-        old = list_checkpoints(args.output_dir)
-        for name in old[: max(0, len(old) - args.checkpoints_total_limit + 1)]:
-            shutil.rmtree(f"{args.output_dir}/{name}")
     # On every process: each writes its RNG states.
     accelerator.save_state(tmp)
     accelerator.wait_for_everyone()
@@ -734,6 +752,44 @@ def save_checkpoint(accelerator, args, global_step):
         shutil.rmtree(path, ignore_errors=True)
         os.rename(tmp, path)
         logger.info(f"Saved {path}")
+        if args.checkpoints_total_limit is not None:
+            old = list_checkpoints(args.output_dir)
+            old.remove(os.path.basename(path))
+            for name in old[: max(0, len(old) + 1 - args.checkpoints_total_limit)]:
+                shutil.rmtree(f"{args.output_dir}/{name}")
+
+
+def handle_signals(accelerator, args, at_once):
+    """SIGTERM (a scheduler's notice), SIGINT (Ctrl-C): at_once, before the first step, the run
+    ends; later the first asks the loop to save and stop (set_trigger), a second ends the run."""
+    received = []
+
+    def handler(signum, frame):
+        # torchrun passes on to each process the signal it got already: a repeat within 1 s.
+        if not received or time.monotonic() - received[-1] > 1:
+            received.append(time.monotonic())
+            if at_once or len(received) > 1:
+                stop_run(accelerator, args, f"Stopped by {signal.Signals(signum).name}")
+            accelerator.set_trigger()
+
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, handler)
+
+
+def ignore_signals(worker_id):
+    """A DataLoader worker leaves the group's signals to the main process, which saves first."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def stop_run(accelerator, args, why):
+    """Exit 75 (EX_TEMPFAIL, "try again later"), leaving the file `stopped` for a scheduler:
+    `accelerate launch` turns several processes' 75 into 1."""
+    if accelerator.is_main_process:
+        os.makedirs(args.output_dir, exist_ok=True)
+        Path(args.output_dir, "stopped").write_text(why)
+    logger.info(f"{why}: go on with --resume_from_checkpoint latest")
+    raise SystemExit(75)
 
 
 def resume_from_checkpoint(accelerator, args):

@@ -345,6 +345,27 @@ def weights(folder, name="diffusion_pytorch_model.safetensors"):
     return load_file(f"{folder}/{name}")
 
 
+def ema_weights(checkpoint, subfolder, index=0):
+    """The EMA in a checkpoint (EMAModel's state_dict, which accelerate saves as registered object
+    `index`), named as the parameters of the model in `checkpoint/subfolder`; and its step count."""
+    import torch
+    import diffusers
+
+    state = torch.load(Path(checkpoint) / f"custom_checkpoint_{index}.pkl", weights_only=True)
+    config = json.loads((Path(checkpoint) / subfolder / "config.json").read_text())
+    model = getattr(diffusers, config["_class_name"]).from_pretrained(Path(checkpoint) / subfolder)
+    names = [name for name, _ in model.named_parameters()]
+    assert len(names) == len(state["shadow_params"])
+    return dict(zip(names, state["shadow_params"])), state["optimization_step"]
+
+
+def assert_same_ema(checkpoint, reference_checkpoint, subfolder):
+    a, step = ema_weights(checkpoint, subfolder)
+    b, reference_step = ema_weights(reference_checkpoint, subfolder)
+    assert step == reference_step
+    assert_same_weights(a, b)
+
+
 def assert_same_weights(a, b):
     """Bit for bit: the same computation in the same order gives the same floats."""
     import torch

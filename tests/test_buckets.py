@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import (assert_same_weights, digit_images, import_script, resume_copy, run_script, train_in_process,
-                      weights)
+                      weights, zero)
 from PIL import Image
 
 T2I, LORA_SCRIPT = "train_text_to_image.py", "train_lora.py"
@@ -73,6 +73,22 @@ def test_every_picture_decodes_as_its_owner_sees_it(mixed_folder):
     assert open_image(path / "photo.webp").size == (60, 40)
 
 
+def test_sixteen_bit_and_float_pictures_round_and_keep_their_transparent_key(tmp_path):
+    """A 16-bit grey PNG whose tRNS key marks one value transparent (the key is a 16-bit value, compared before
+    the scaling); 16 to 8 bits rounded; a float TIFF read as 0..1; a float outside it ends in one line."""
+    values = np.array([[0, 128, 32896, 40000], [65535, 1000, 1000, 65407]] * 4, np.uint16)
+    Image.fromarray(values).save(tmp_path / "key.png", transparency=1000)
+    grey = np.asarray(open_image(tmp_path / "key.png"))[..., 0]
+    assert np.array_equal(grey, np.where(values == 1000, 255, np.rint(values / 257)))  # the key on white
+    floats = np.linspace(0, 1, 64, dtype=np.float32).reshape(8, 8)
+    Image.fromarray(floats).save(tmp_path / "float.tif")
+    assert np.array_equal(np.asarray(open_image(tmp_path / "float.tif"))[..., 0], np.rint(floats * 255))
+    Image.fromarray(floats * 255).save(tmp_path / "wide.tif")
+    with pytest.raises(SystemExit) as stop:
+        open_image(tmp_path / "wide.tif")
+    assert str(stop.value.code) == f"error: image {tmp_path / 'wide.tif'}: values outside 0..1"
+
+
 def test_an_empty_or_undecodable_file_ends_in_one_line_naming_it(tmp_path, capsys):
     (tmp_path / "empty.png").write_bytes(b"")
     with pytest.raises(SystemExit) as stop:
@@ -120,6 +136,9 @@ def test_auto_buckets_are_about_the_resolution_squared_in_the_models_steps():
         assert 0.75 * 512**2 <= height * width <= 512**2
     args.aspect_ratio_buckets = "512,512;384,640"
     assert script.parse_buckets(args, step=64) == [(512, 512), (384, 640)]
+    args.aspect_ratio_buckets, args.resolution = "auto", 32
+    with pytest.raises(SystemExit, match="^error: --aspect_ratio_buckets auto needs --resolution 64 or more$"):
+        script.parse_buckets(args, step=64)
     for wrong in ["512,500", "512", "a,b"]:
         args.aspect_ratio_buckets = wrong
         with pytest.raises(SystemExit, match="--aspect_ratio_buckets"):
@@ -203,6 +222,18 @@ def test_a_bucketed_lora_resumes_exactly_on_two_processes_and_its_files_load(cac
         pipe = StableDiffusionPipeline.from_pretrained(tiny_sd_path, safety_checker=None)
         pipe.load_lora_weights(str(source))
         assert pipe.unet.peft_config["default_0"].r == 4
+
+
+def test_buckets_under_deepspeed_zero2_train_and_resume_exactly(bucket_args, tmp_path):
+    """`accelerate launch --use_deepspeed` without a config file asks for an "auto" micro-batch, which accelerate
+    reads from the DataLoader; a bucketed one has no batch size, so the script gives it --train_batch_size."""
+    args = bucket_args + ["--train_batch_size", "1", "--use_ema", "--cache_latents", "--center_crop"]
+    out = tmp_path / "out"
+    run_script(T2I, args + ["--output_dir", out], num_processes=2, launch_args=zero(2))
+    resumed = resume_copy(out, "checkpoint-4")
+    run_script(T2I, args + ["--output_dir", resumed, "--resume_from_checkpoint", "latest"], num_processes=2,
+               launch_args=zero(2))
+    assert_same_weights(weights(resumed / "unet"), weights(out / "unet"))
 
 
 def test_without_the_flag_one_square_bucket_trains_the_same_weights(bucket_args, tmp_path):

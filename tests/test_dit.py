@@ -3,7 +3,8 @@ training with cached latents, the DiTPipeline folder users load, bad input."""
 
 import pytest
 import torch
-from conftest import (assert_same_optimizer_state, assert_same_weights, checkpoints, import_script, resume_copy,
+from conftest import (assert_same_ema, assert_same_optimizer_state, assert_same_weights, checkpoints, ema_weights,
+                      import_script, resume_copy,
                       train_in_process, weights, write_imagefolder)
 
 SCRIPT = "train_dit.py"
@@ -28,8 +29,9 @@ def reference(tmp_path_factory, common):
 def test_resume_is_exact(reference, common):
     out = resume_copy(reference, "checkpoint-4")
     train_in_process(SCRIPT, common + ["--output_dir", out, "--resume_from_checkpoint", "latest"])
-    for sub in ["checkpoint-6/transformer", "checkpoint-6/transformer_ema", "transformer"]:
+    for sub in ["checkpoint-6/transformer", "transformer"]:
         assert_same_weights(weights(out / sub), weights(reference / sub))
+    assert_same_ema(out / "checkpoint-6", reference / "checkpoint-6", "transformer")
     assert_same_optimizer_state(out / "checkpoint-6", reference / "checkpoint-6")
 
 
@@ -38,7 +40,8 @@ def test_checkpoints_and_the_folder_users_load(reference):
 
     assert checkpoints(reference) == ["checkpoint-2", "checkpoint-4", "checkpoint-6"]
     DiTTransformer2DModel.from_pretrained(reference / "checkpoint-6", subfolder="transformer")
-    assert_same_weights(weights(reference / "transformer"), weights(reference / "checkpoint-6" / "transformer_ema"))
+    averaged, final = ema_weights(reference / "checkpoint-6", "transformer")[0], weights(reference / "transformer")
+    assert_same_weights({k: final[k] for k in averaged}, averaged)  # the EMA weights saved
     pipeline = DiTPipeline.from_pretrained(reference, vae=None)  # a pixel-space DiT has no VAE
     assert isinstance(pipeline.scheduler, DDIMScheduler) and pipeline.scheduler.config.clip_sample is False
     assert pipeline.labels["3"] == 3  # id2label, for DiTPipeline.get_label_ids

@@ -9,7 +9,8 @@ import signal
 
 import pytest
 import torch
-from conftest import (require_deepspeed, REPO, assert_same_optimizer_state, assert_same_weights, checkpoints, import_script,
+from conftest import (require_deepspeed, REPO, assert_same_ema, assert_same_optimizer_state, assert_same_weights, checkpoints,
+                      ema_weights, import_script,
                       resume_copy, run_script, run_signalled, train_in_process, weights, zero)
 
 SCRIPT = "train_unconditional.py"
@@ -34,8 +35,9 @@ def reference(tmp_path_factory, common):
 
 
 def assert_same_run(out, reference):
-    for sub in ["checkpoint-6/unet", "checkpoint-6/unet_ema", "unet"]:
+    for sub in ["checkpoint-6/unet", "unet"]:
         assert_same_weights(weights(out / sub), weights(reference / sub))
+    assert_same_ema(out / "checkpoint-6", reference / "checkpoint-6", "unet")
     assert_same_optimizer_state(out / "checkpoint-6", reference / "checkpoint-6")
 
 
@@ -50,16 +52,15 @@ def test_resume_is_exact_and_skips_a_half_written_checkpoint(reference, common, 
 
 def test_checkpoint_contract_and_the_pipeline_users_load(reference):
     from diffusers import DDPMPipeline, UNet2DModel
-    from diffusers.training_utils import EMAModel
 
     assert checkpoints(reference) == ["checkpoint-4", "checkpoint-6"]  # rotation kept the last two
     assert not list(reference.glob("tmp-*"))
     UNet2DModel.from_pretrained(reference / "checkpoint-6", subfolder="unet")
-    ema = EMAModel.from_pretrained(reference / "checkpoint-6" / "unet_ema", UNet2DModel)
-    assert ema.optimization_step == 6
-    raw, averaged = weights(reference / "checkpoint-6" / "unet"), weights(reference / "checkpoint-6" / "unet_ema")
-    assert any(not torch.equal(raw[k], averaged[k]) for k in raw)
-    assert_same_weights(weights(reference / "unet"), averaged)  # the final pipeline holds the EMA weights
+    averaged, step = ema_weights(reference / "checkpoint-6", "unet")  # the EMA, as accelerate saved it
+    assert step == 6
+    raw, final = weights(reference / "checkpoint-6" / "unet"), weights(reference / "unet")
+    assert any(not torch.equal(raw[k], averaged[k]) for k in averaged)
+    assert_same_weights({k: final[k] for k in averaged}, averaged)  # the final pipeline holds the EMA weights
     pipeline = DDPMPipeline.from_pretrained(reference)
     images = pipeline(batch_size=2, num_inference_steps=2, generator=torch.manual_seed(0), output_type="np").images
     assert images.shape == (2, 32, 32, 3)
@@ -380,9 +381,9 @@ def signal_on_call(monkeypatch, owner, name, calls):
 @pytest.mark.parametrize("moment", ["between_steps", "mid_accumulation", "mid_save"])
 def test_a_signal_at_any_moment_saves_and_the_resume_is_exact(moment, stop_args, uninterrupted, tmp_path, caplog,
                                                               monkeypatch, signal_handlers):
-    """SIGTERM after the first optimizer step, inside the first micro-batch of two, or during every checkpoint
-    save (the one at step 5 and the stop's own): the run saves at the next read of the loss and exits with 75;
-    resumed, it ends bit-equal to the uninterrupted run."""
+    """SIGTERM after the first optimizer step, inside the first micro-batch of two, or during the checkpoint save
+    at step 5: the run saves at the next read of the loss and exits with 75; resumed, it ends bit-equal to the
+    uninterrupted run."""
     from accelerate import Accelerator
     from accelerate.scheduler import AcceleratedScheduler
 
@@ -394,16 +395,16 @@ def test_a_signal_at_any_moment_saves_and_the_resume_is_exact(moment, stop_args,
         elif moment == "mid_accumulation":
             signal_on_call(patch, torch, "randn_like", {1})
         else:
-            signal_on_call(patch, Accelerator, "save_state", {1, 2})
+            signal_on_call(patch, Accelerator, "save_state", {1})
         with pytest.raises(SystemExit) as stop:
             train_in_process(SCRIPT, stop_args + ["--output_dir", out])
     assert stop.value.code == 75
-    stopped = 10 if moment == "mid_save" else 5  # the signal in the save at 5 is read at 10
+    stopped = 6 if moment == "mid_save" else 3  # read at the epoch's end: the signal in the save at 5 at 6
     assert f"Stopped at step {stopped}: go on with --resume_from_checkpoint latest" in caplog.text
     assert checkpoints(out)[-1] == f"checkpoint-{stopped}"
     train_in_process(SCRIPT, stop_args + ["--output_dir", out, "--resume_from_checkpoint", "latest"])
     assert_same_weights(weights(out / "unet"), weights(uninterrupted / "unet"))
-    assert_same_weights(weights(out / "checkpoint-10" / "unet_ema"), weights(uninterrupted / "checkpoint-10" / "unet_ema"))
+    assert_same_ema(out / "checkpoint-10", uninterrupted / "checkpoint-10", "unet")
     assert_same_optimizer_state(out / "checkpoint-10", uninterrupted / "checkpoint-10")
 
 
@@ -432,3 +433,112 @@ def test_a_diverged_loss_stops_the_run_before_a_checkpoint_keeps_it(stop_args, t
     assert checkpoints(out) == [f"checkpoint-{n}" for n in range(1, step)]
     for name in checkpoints(out):
         assert all(torch.isfinite(v).all() for v in weights(out / name / "unet").values()), name
+
+
+def test_an_epoch_end_save_reads_the_loss_first(stop_args, tmp_path, run_in_process, signal_handlers):
+    """Epochs of 3 steps, a pipeline saved at every epoch's end and no checkpoint before step 5: the diverged
+    loss is read at the first epoch's end, before that save, and nothing non-finite reaches the disk."""
+    out = tmp_path / "out"
+    args = stop_args + ["--output_dir", out, "--learning_rate", "1e30", "--save_model_epochs", "1"]
+    error = run_in_process(SCRIPT, args)
+    assert error.startswith("error: the loss is ") and " at step 3;" in error
+    assert not list(out.rglob("*.safetensors"))
+
+
+def test_resuming_the_checkpoint_of_the_last_step_trains_no_more(stop_args, tmp_path, signal_handlers):
+    """11 steps, 3 an epoch: the last step falls inside an epoch, where the resumed loop used to train one more."""
+    out = tmp_path / "out"
+    args = stop_args + ["--max_train_steps", "11", "--checkpointing_steps", "11"]
+    train_in_process(SCRIPT, args + ["--output_dir", out])
+    resumed = resume_copy(out, "checkpoint-11")
+    train_in_process(SCRIPT, args + ["--output_dir", resumed, "--resume_from_checkpoint", "latest"])
+    assert_same_weights(weights(resumed / "unet"), weights(out / "unet"))
+
+
+def test_rotation_writes_the_new_checkpoint_before_it_removes_the_old(stop_args, tmp_path, monkeypatch,
+                                                                      signal_handlers):
+    """With --checkpoints_total_limit 1 a kill during a save must still find the previous checkpoint whole."""
+    from accelerate import Accelerator
+
+    out, on_disk = tmp_path / "out", []
+    save_state = Accelerator.save_state
+
+    def record(self, *args, **kwargs):
+        on_disk.append(checkpoints(out))
+        return save_state(self, *args, **kwargs)
+
+    monkeypatch.setattr(Accelerator, "save_state", record)
+    train_in_process(SCRIPT, stop_args + ["--output_dir", out, "--checkpoints_total_limit", "1"])
+    assert on_disk == [[], ["checkpoint-5"]] and checkpoints(out) == ["checkpoint-10"]
+
+
+def test_a_signal_before_the_first_step_ends_the_run_at_once(stop_args, tmp_path, monkeypatch, caplog,
+                                                             signal_handlers):
+    """Ctrl-C while the dataset loads (latent caching takes hours on a large folder): status 75 at once, one line,
+    nothing trained or saved, and the file a scheduler reads to requeue."""
+    import train_unconditional
+
+    caplog.set_level("INFO")
+    out = tmp_path / "out"
+    signal_on_call(monkeypatch, train_unconditional, "load_train_dataset", {1})
+    monkeypatch.setattr(os, "kill", lambda pid, signum, kill=os.kill: kill(pid, signal.SIGINT))
+    with pytest.raises(SystemExit) as stop:
+        train_in_process(SCRIPT, stop_args + ["--output_dir", out])
+    assert stop.value.code == 75
+    assert "Stopped by SIGINT: go on with --resume_from_checkpoint latest" in caplog.text
+    assert [p.name for p in out.iterdir()] == ["stopped"]
+
+
+def test_a_signal_during_validation_stops_right_after_it(stop_args, uninterrupted, tmp_path, monkeypatch, caplog,
+                                                          signal_handlers):
+    """Validation at the end of epoch 0 (step 3): the stop comes after it, at step 3, with a checkpoint."""
+    import train_unconditional
+
+    caplog.set_level("INFO")
+    out = tmp_path / "out"
+    signal_on_call(monkeypatch, train_unconditional, "log_validation", {1})
+    with pytest.raises(SystemExit) as stop:
+        train_in_process(SCRIPT, stop_args + ["--output_dir", out])
+    assert stop.value.code == 75 and checkpoints(out) == ["checkpoint-3"]
+    assert "Stopped at step 3: go on with --resume_from_checkpoint latest" in caplog.text
+    monkeypatch.undo()
+    train_in_process(SCRIPT, stop_args + ["--output_dir", out, "--resume_from_checkpoint", "latest"])
+    assert_same_weights(weights(out / "unet"), weights(uninterrupted / "unet"))
+    assert not (out / "stopped").exists()
+
+
+def test_a_signal_during_the_final_save_lets_it_complete(stop_args, uninterrupted, tmp_path, monkeypatch,
+                                                         signal_handlers):
+    from diffusers import DDPMPipeline
+
+    out = tmp_path / "out"
+    signal_on_call(monkeypatch, DDPMPipeline, "save_pretrained", {2})  # epoch 0's save, then the final one
+    train_in_process(SCRIPT, stop_args + ["--output_dir", out])
+    assert_same_weights(weights(out / "unet"), weights(uninterrupted / "unet"))
+    assert not (out / "stopped").exists()
+
+
+def test_a_second_signal_ends_the_run_at_once(stop_args, tmp_path, monkeypatch, caplog, signal_handlers):
+    """The first SIGTERM asks for a checkpoint; a second, a second later, during that save, ends the run at once:
+    the save is never renamed into place, and the file says the run was stopped."""
+    import time
+
+    from accelerate import Accelerator
+    from accelerate.scheduler import AcceleratedScheduler
+
+    caplog.set_level("INFO")
+    out = tmp_path / "out"
+    signal_on_call(monkeypatch, AcceleratedScheduler, "step", {1})
+    save_state = Accelerator.save_state
+
+    def second(self, *args, **kwargs):
+        time.sleep(1.1)  # a repeat within 1 s is torchrun passing on the first
+        os.kill(os.getpid(), signal.SIGTERM)
+        return save_state(self, *args, **kwargs)
+
+    monkeypatch.setattr(Accelerator, "save_state", second)
+    with pytest.raises(SystemExit) as stop:
+        train_in_process(SCRIPT, stop_args + ["--output_dir", out])
+    assert stop.value.code == 75 and checkpoints(out) == []
+    assert "Stopped by SIGTERM: go on with --resume_from_checkpoint latest" in caplog.text
+    assert (out / "stopped").exists()

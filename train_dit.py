@@ -17,6 +17,7 @@ import os
 import re
 import shutil
 import signal
+import sys
 import time
 import warnings
 from contextlib import contextmanager
@@ -31,7 +32,7 @@ import torchvision
 from accelerate import Accelerator, DistributedType
 from accelerate.logging import get_logger
 from accelerate.utils import DataLoaderConfiguration, InitProcessGroupKwargs, ProjectConfiguration
-from accelerate.utils import set_seed
+from accelerate.utils import gather_object, send_to_device, set_seed
 from datasets.fingerprint import Hasher
 from diffusers import AutoencoderKL, DDIMScheduler, DDPMScheduler, DiTPipeline
 from diffusers import DiTTransformer2DModel, DPMSolverMultistepScheduler
@@ -39,8 +40,10 @@ from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
 from diffusers.optimization import get_scheduler
 from diffusers.training_utils import EMAModel, compute_density_for_timestep_sampling, compute_snr
 from diffusers.utils import logging as diffusers_logging
-from huggingface_hub import create_repo, upload_folder
+from diffusers.utils.hub_utils import populate_model_card
+from huggingface_hub import ModelCard, ModelCardData, create_repo, upload_folder
 from PIL import Image
+from torch.utils.data import default_collate
 from torchvision import transforms
 from tqdm.auto import tqdm
 
@@ -109,6 +112,10 @@ def parse_args(argv=None):
     p.add_argument("--guidance_scale", type=float, default=4.0, help="Validation's guidance scale.")
     p.add_argument("--checkpointing_steps", type=int, default=500, help="Checkpoint every N steps.")
     p.add_argument("--checkpoints_total_limit", type=int, help="Keep the newest N; default: all.")
+    held_out = p.add_mutually_exclusive_group()
+    held_out.add_argument("--validation_split", type=float, help="Hold out this share of pictures.")
+    held_out.add_argument("--validation_data_dir", help="Held-out pictures: a folder of them.")
+    p.add_argument("--validate_every_n_steps", type=int, help="Held-out loss every N steps.")
     p.add_argument("--resume_from_checkpoint", help='checkpoint-N in --output_dir, or "latest".')
     p.add_argument("--push_to_hub", action="store_true", help="Upload to the Hub; log in first.")
     p.add_argument("--hub_model_id", help="The Hub repo; default: --output_dir's name.")
@@ -243,6 +250,13 @@ def main(args):
     # A cached latent's shape: its μ and log σ², channel after channel.
     shape = (2 * model.config.in_channels, size, size)
     transform = partial(preprocess, args=args, augment=augment, shape=shape)
+    # The held-out pictures never train; they keep epoch 0's crops and flips.
+    held = train_dataset["held_out"]
+    held_out = train_dataset.select([i for i, h in enumerate(held) if h], keep_in_memory=True)
+    train_dataset = train_dataset.select(
+        [i for i, h in enumerate(held) if not h], keep_in_memory=True
+    )
+    held_out.set_transform(partial(transform, epoch=0))
     train_dataloader = torch.utils.data.DataLoader(
         train_dataset,
         batch_size=args.train_batch_size,
@@ -319,10 +333,39 @@ def main(args):
     )
     # From now on a signal saves a checkpoint first.
     handle_signals(accelerator, args, at_once=False)
+
+    # One held-out picture's loss for section 8, as the loop takes it, at t = fraction·T (σ).
+    def picture_loss(batch, generator, fraction):
+        # The VAE posterior's mean, not a sample: the same latent each time.
+        clean_images = sample_latents(vae, batch, args, mean=True) if vae else batch["pixel_values"]
+        noise = torch.randn(clean_images.shape, generator=generator).to(accelerator.device)
+        if args.prediction_type == "flow_prediction":
+            sigma = torch.tensor([fraction], device=accelerator.device)
+            noisy_images = (1 - sigma) * clean_images + sigma * noise
+            timesteps = 1000 * sigma
+        else:
+            T = noise_scheduler.config.num_train_timesteps
+            timesteps = torch.tensor([int(fraction * T)], device=accelerator.device)
+            noisy_images = noise_scheduler.add_noise(clean_images, noise, timesteps)
+        if args.prediction_type == "epsilon":
+            target = noise
+        elif args.prediction_type == "v_prediction":
+            target = noise_scheduler.get_velocity(clean_images, noise, timesteps)
+        else:
+            target = noise - clean_images
+        inputs = noisy_images.to(weight_dtype)
+        model_output = unwrap(model)(inputs, timesteps, batch["class_labels"]).sample
+        loss = F.mse_loss(model_output.float(), target.float())
+        if args.snr_gamma is not None:
+            loss = loss * min_snr_weights(noise_scheduler, timesteps, args.snr_gamma)
+        return loss.item()
+
     # The loss is summed on the device, read every 10 steps: a read makes the CPU wait.
     train_loss = 0.0
     logged_step = global_step
     stopped = False
+    # The last held-out loss, shown beside the training loss.
+    shown = {}
     for epoch in range(first_epoch, num_epochs):
         model.train()
         # This epoch's crops and flips: preprocess seeds them with (seed, epoch, row).
@@ -404,7 +447,7 @@ def main(args):
                     steps = global_step - logged_step
                     mean_loss = accelerator.reduce(train_loss, "mean").item() / steps
                     logs = {"loss": mean_loss, "lr": lr_scheduler.get_last_lr()[0]}
-                    progress_bar.set_postfix(**logs)
+                    progress_bar.set_postfix(**logs, **shown)
                     accelerator.log(logs, step=global_step)
                     train_loss = 0.0
                     logged_step = global_step
@@ -420,6 +463,13 @@ def main(args):
                     save_checkpoint(accelerator, args, global_step)
                 if stopped:
                     stop_run(accelerator, args, f"Stopped at step {global_step}")
+                # The held-out loss, every --validate_every_n_steps (or checkpoint) and at the end.
+                every = args.validate_every_n_steps or args.checkpointing_steps
+                if len(held_out) and (global_step % every == 0 or global_step >= max_train_steps):
+                    with ema_weights(ema_model, model.parameters()):
+                        shown = log_held_out_loss(
+                            accelerator, held_out, picture_loss, model, global_step
+                        )
 
         # 8. Validation: guided samples from fixed noise, a row per class, EMA weights if any
         last_epoch = epoch == num_epochs - 1 or global_step >= max_train_steps
@@ -439,6 +489,8 @@ def main(args):
     # 9. Final save: a DiTPipeline folder (transformer/, scheduler/, vae/), EMA weights if any
     if accelerator.is_main_process:
         save_pipeline(args, unwrap(model), ema_model, sampler, names)
+        usage = f'pipeline = DiTPipeline.from_pretrained("{args.output_dir}")  # vae=None in pixels'
+        save_model_card(args, None, ["dit", "class-conditional-image-generation"], usage, shown)
         if args.push_to_hub:
             upload_folder(
                 repo_id=repo.repo_id, folder_path=args.output_dir, ignore_patterns="*checkpoint*"
@@ -456,7 +508,9 @@ def clear_error(flag):
 
 
 def load_train_dataset(args, *columns):
-    """A hub dataset or an imagefolder, and a "row" column that seeds each image's crop and flip."""
+    """A hub dataset or an imagefolder, then --validation_data_dir's pictures; a "row" column that
+    seeds each picture's crop and flip, and a "held_out" one: the pictures that never train (a
+    seeded --validation_split of them, or the folder's)."""
     name = args.dataset_name
     files = None
     flag = f"--dataset_name {name}"
@@ -470,12 +524,33 @@ def load_train_dataset(args, *columns):
             name, args.dataset_config_name, data_files=files, cache_dir=args.cache_dir
         )
         dataset = dataset["train"]
+    held_out = [False] * len(dataset)
+    if args.validation_data_dir:
+        folder = os.path.join(args.validation_data_dir, "**")
+        with clear_error(f"--validation_data_dir {args.validation_data_dir}"):
+            pictures = datasets.load_dataset("imagefolder", data_files=folder)["train"]
+        if pictures.column_names != dataset.column_names:
+            raise SystemExit(
+                f"error: --validation_data_dir: columns {pictures.column_names}, not "
+                f"{dataset.column_names} as in the training data"
+            )
+        dataset = datasets.concatenate_datasets([dataset, pictures])
+        held_out += [True] * len(pictures)
+    elif args.validation_split:
+        # The same pictures on every process and at every resume.
+        order = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(args.seed))
+        for i in order[: max(0, round(args.validation_split * len(dataset)))]:
+            held_out[i] = True
+    if (args.validation_split or args.validation_data_dir) and not 0 < sum(held_out) < len(dataset):
+        flag = "--validation_data_dir" if args.validation_data_dir else "--validation_split"
+        raise SystemExit(f"error: {flag}: no picture would be held out, or none would train")
     for column in columns:
         if column not in dataset.column_names:
             raise SystemExit(f"error: no column {column!r}; the dataset has {dataset.column_names}")
     # Decoded by open_image, so that a file that cannot be read is named.
     dataset = dataset.cast_column(args.image_column, datasets.Image(decode=False))
-    return dataset.add_column("row", range(len(dataset)))
+    dataset = dataset.add_column("row", range(len(dataset)))
+    return dataset.add_column("held_out", held_out)
 
 
 def open_image(item):
@@ -534,14 +609,15 @@ def encode_latents(examples, args, augment, vae):
 
 
 @torch.no_grad()
-def sample_latents(vae, batch, args):
-    """The batch's latents (x_0 or z_0): a sample of the VAE's posterior N(μ, σ²) of each image,
-    from its pixels or its cached μ and log σ², scaled to unit variance."""
+def sample_latents(vae, batch, args, mean=False):
+    """The batch's latents (x_0 or z_0): a sample of the VAE's posterior N(μ, σ²) of each image (or
+    its mean μ), from its pixels or its cached μ and log σ², scaled to unit variance."""
     if args.cache_latents:
         posterior = DiagonalGaussianDistribution(batch["latent_moments"])
     else:
         posterior = vae.encode(batch["pixel_values"].to(vae.dtype)).latent_dist
-    return posterior.sample().float() * vae.config.scaling_factor
+    latents = posterior.mode() if mean else posterior.sample()
+    return latents.float() * vae.config.scaling_factor
 
 
 def build_transformer(args, num_classes, vae):
@@ -658,23 +734,63 @@ def resume_from_checkpoint(accelerator, args):
         return int(checkpoint.rsplit("-", 1)[1])
 
 
+def log_held_out_loss(accelerator, held_out, picture_loss, model, global_step):
+    """The loss on the held-out pictures: val_loss, and val_loss_t0 to t3 over the quarters of the
+    schedule, low noise to high (val_loss is their mean weighted by their counts). The same for the
+    same weights on any number of processes: picture k of n gets t = (k + ½)·T/n and an ε seeded
+    by k (picture_loss); process p takes k = p, p + P, ..., gathered back in order."""
+    n = len(held_out)
+    # No dropout.
+    model.eval()
+    with torch.no_grad():
+        losses = []
+        for k in range(accelerator.process_index, n, accelerator.num_processes):
+            batch = send_to_device(default_collate([held_out[k]]), accelerator.device)
+            losses.append((k, picture_loss(batch, torch.Generator().manual_seed(k), (k + 0.5) / n)))
+    model.train()
+    losses = [loss for _, loss in sorted(gather_object(losses))]
+    logs = {"val_loss": sum(losses) / n}
+    quarters = [int(4 * (k + 0.5) / n) for k in range(n)]
+    for q in sorted(set(quarters)):
+        part = [loss for loss, quarter in zip(losses, quarters) if quarter == q]
+        logs[f"val_loss_t{q}"] = sum(part) / len(part)
+    accelerator.log(logs, step=global_step)
+    logger.info(f"Held-out loss at step {global_step}: {logs['val_loss']:.4f}")
+    return {"val_loss": logs["val_loss"]}
+
+
+@contextmanager
+def ema_weights(ema_model, parameters):
+    """The EMA's weights in `parameters` within the block, if there is an EMA; then the trained
+    ones again."""
+    parameters = list(parameters)
+    if ema_model is not None:
+        ema_model.store(parameters)
+        ema_model.copy_to(parameters)
+    yield
+    if ema_model is not None:
+        ema_model.restore(parameters)
+
+
 def log_validation(accelerator, args, model, ema_model, sampler, vae, num_classes, global_step):
+    """A grid of guided samples from fixed noise, a row per class, with the EMA weights if any."""
     # No dropout while sampling.
     model.eval()
-    # Sample with the EMA weights, then put the trained ones back.
-    if ema_model is not None:
-        ema_model.store(model.parameters())
-        ema_model.copy_to(model.parameters())
     # A row for each of the dataset's first 10 classes (a VAE's model has 1000 rows, not all used).
     classes = torch.arange(min(10, num_classes))
     class_labels = classes.repeat_interleave(args.eval_batch_size).to(accelerator.device)
     # The same noise each time, so that progress shows.
     generator = torch.Generator().manual_seed(0)
-    images = sample_images(
-        model, sampler, class_labels, args.guidance_scale, args.num_inference_steps, vae, generator
-    )
-    if ema_model is not None:
-        ema_model.restore(model.parameters())
+    with ema_weights(ema_model, model.parameters()):
+        images = sample_images(
+            model,
+            sampler,
+            class_labels,
+            args.guidance_scale,
+            args.num_inference_steps,
+            vae,
+            generator,
+        )
     model.train()
     save_grid(accelerator, args, images, global_step, nrow=args.eval_batch_size)
 
@@ -704,10 +820,7 @@ def sample_images(model, scheduler, class_labels, guidance_scale, steps, vae=Non
 
 
 def save_pipeline(args, model, ema_model, sampler, names):
-    """The DiTPipeline folder in --output_dir, with id2label, EMA weights if any (then restored)."""
-    if ema_model is not None:
-        ema_model.store(model.parameters())
-        ema_model.copy_to(model.parameters())
+    """The DiTPipeline folder in --output_dir, with id2label, EMA weights if any."""
     vae = None
     # The VAE as on disk, not in the mixed-precision dtype.
     if args.pretrained_vae_model_name_or_path:
@@ -717,12 +830,28 @@ def save_pipeline(args, model, ema_model, sampler, names):
     # In pixel space there is no vae/ to save: the line below says so, not diffusers' warning.
     verbosity = diffusers_logging.get_verbosity()
     diffusers_logging.set_verbosity_error()
-    pipeline.save_pretrained(args.output_dir)
+    with ema_weights(ema_model, model.parameters()):
+        pipeline.save_pretrained(args.output_dir)
     diffusers_logging.set_verbosity(verbosity)
-    if ema_model is not None:
-        ema_model.restore(model.parameters())
     what = "the pipeline" if vae else "transformer/ and scheduler/ (pixel space: no vae/)"
     logger.info(f"Saved {what} to {args.output_dir}")
+
+
+def save_model_card(args, base_model, tags, usage, shown):
+    """README.md in --output_dir, as the Diffusers examples write it for the Hub: the base model,
+    how to load the weights, the held-out loss of the saved ones, the command's flags. (diffusers'
+    load_or_create_model_card reads the Hub first, which has no local folder.)"""
+    loss = f"{shown['val_loss']:.4f}" if shown else "not measured (no --validation_split)"
+    flags = " ".join(f"--{k} {v}" for k, v in vars(args).items() if v not in (None, False))
+    text = (
+        f"# {os.path.basename(os.path.abspath(args.output_dir))}\n\n"
+        f"{f'Fine-tuned from {base_model}' if base_model else 'Trained from scratch'} by "
+        f"`{os.path.basename(sys.argv[0])}`. Held-out loss of these weights: {loss}.\n\n"
+        f"```python\n{usage}\n```\n\n## Training\n\n```\n{flags}\n```\n"
+    )
+    card_data = ModelCardData(base_model=base_model)
+    card = populate_model_card(ModelCard(f"---\n{card_data.to_yaml()}\n---\n{text}"), tags)
+    card.save(f"{args.output_dir}/README.md")
 
 
 def save_grid(accelerator, args, images, global_step, nrow):

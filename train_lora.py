@@ -16,6 +16,7 @@ import os
 import re
 import shutil
 import signal
+import sys
 import time
 import warnings
 from collections import Counter
@@ -32,18 +33,20 @@ import torchvision
 from accelerate import Accelerator, DistributedType
 from accelerate.logging import get_logger
 from accelerate.utils import DataLoaderConfiguration, InitProcessGroupKwargs, ProjectConfiguration
-from accelerate.utils import set_seed
+from accelerate.utils import gather_object, send_to_device, set_seed
 from datasets.fingerprint import Hasher
 from diffusers import DDPMScheduler, DPMSolverMultistepScheduler, StableDiffusionPipeline
 from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
 from diffusers.optimization import get_scheduler
 from diffusers.training_utils import EMAModel, cast_training_params, compute_snr
 from diffusers.utils import convert_state_dict_to_kohya
-from huggingface_hub import create_repo, upload_folder
+from diffusers.utils.hub_utils import populate_model_card
+from huggingface_hub import ModelCard, ModelCardData, create_repo, upload_folder
 from PIL import Image
 from peft import LoraConfig, get_peft_model_state_dict, inject_adapter_in_model
 from peft import set_peft_model_state_dict
 from safetensors.torch import load_file, save_file
+from torch.utils.data import default_collate
 from torchvision import transforms
 from tqdm.auto import tqdm
 
@@ -129,6 +132,10 @@ def parse_args(argv=None):
     )
     p.add_argument("--checkpointing_steps", type=int, default=500, help="Checkpoint every N steps.")
     p.add_argument("--checkpoints_total_limit", type=int, help="Keep the newest N; default: all.")
+    held_out = p.add_mutually_exclusive_group()
+    held_out.add_argument("--validation_split", type=float, help="Hold out this share of pictures.")
+    held_out.add_argument("--validation_data_dir", help="Held-out pictures: a folder of them.")
+    p.add_argument("--validate_every_n_steps", type=int, help="Held-out loss every N steps.")
     p.add_argument("--resume_from_checkpoint", help='checkpoint-N in --output_dir, or "latest".')
     p.add_argument("--push_to_hub", action="store_true", help="Upload to the Hub; log in first.")
     p.add_argument("--hub_model_id", help="The Hub repo; default: --output_dir's name.")
@@ -323,6 +330,13 @@ def main(args):
         bucket_sizes=bucket_sizes,
         latent_shapes=latent_shapes,
     )
+    # The held-out pictures never train; they keep epoch 0's crops and flips.
+    held = train_dataset["held_out"]
+    held_out = train_dataset.select([i for i, h in enumerate(held) if h], keep_in_memory=True)
+    train_dataset = train_dataset.select(
+        [i for i, h in enumerate(held) if not h], keep_in_memory=True
+    )
+    held_out.set_transform(partial(transform, epoch=0))
     # Its own generator, not the global RNG: see preprocess.
     generator = torch.Generator().manual_seed(args.seed)
     batches = dict(batch_size=args.train_batch_size, shuffle=True)
@@ -424,10 +438,34 @@ def main(args):
     )
     # From now on a signal saves a checkpoint first.
     handle_signals(accelerator, args, at_once=False)
+
+    # One held-out picture's loss for section 8, as the loop takes it (without --noise_offset
+    # and --input_perturbation, which add noise of their own), at t = fraction·T.
+    def picture_loss(batch, generator, fraction):
+        # The VAE posterior's mean, not a sample: the same latent each time.
+        latents = sample_latents(vae, batch, args, mean=True)
+        encoder_hidden_states = unwrap(text_encoder)(batch["input_ids"])[0]
+        noise = torch.randn(latents.shape, generator=generator).to(accelerator.device)
+        T = noise_scheduler.config.num_train_timesteps
+        timesteps = torch.tensor([int(fraction * T)], device=accelerator.device)
+        noisy_latents = noise_scheduler.add_noise(latents, noise, timesteps)
+        if noise_scheduler.config.prediction_type == "epsilon":
+            target = noise
+        else:
+            target = noise_scheduler.get_velocity(latents, noise, timesteps)
+        inputs = noisy_latents.to(weight_dtype)
+        model_output = unwrap(unet)(inputs, timesteps, encoder_hidden_states).sample
+        loss = F.mse_loss(model_output.float(), target.float())
+        if args.snr_gamma is not None:
+            loss = loss * min_snr_weights(noise_scheduler, timesteps, args.snr_gamma)
+        return loss.item()
+
     # The loss is summed on the device, read every 10 steps: a read makes the CPU wait.
     train_loss = 0.0
     logged_step = global_step
     stopped = False
+    # The last held-out loss, shown beside the training loss.
+    shown = {}
     for epoch in range(first_epoch, num_epochs):
         unet.train()
         train_dataset.set_transform(partial(transform, epoch=epoch))
@@ -497,7 +535,7 @@ def main(args):
                     steps = global_step - logged_step
                     mean_loss = accelerator.reduce(train_loss, "mean").item() / steps
                     logs = {"loss": mean_loss, "lr": lr_scheduler.get_last_lr()[0]}
-                    progress_bar.set_postfix(**logs)
+                    progress_bar.set_postfix(**logs, **shown)
                     accelerator.log(logs, step=global_step)
                     train_loss = 0.0
                     logged_step = global_step
@@ -513,6 +551,13 @@ def main(args):
                     save_checkpoint(accelerator, args, global_step)
                 if stopped:
                     stop_run(accelerator, args, f"Stopped at step {global_step}")
+                # The held-out loss, every --validate_every_n_steps (or checkpoint) and at the end.
+                every = args.validate_every_n_steps or args.checkpointing_steps
+                if len(held_out) and (global_step % every == 0 or global_step >= max_train_steps):
+                    with ema_weights(ema_model, lora_params):
+                        shown = log_held_out_loss(
+                            accelerator, held_out, picture_loss, unet, global_step
+                        )
 
         # 8. Validation: the prompts from fixed noise, without and with the LoRA (EMA if any)
         last_epoch = epoch == num_epochs - 1 or global_step >= max_train_steps
@@ -541,6 +586,12 @@ def main(args):
         save_lora(args.output_dir, *trained)
         save_kohya(args)
         logger.info(f"Saved to {args.output_dir}")
+        prompt = (args.validation_prompts or ["a photo"])[0]
+        usage = f'pipeline = StableDiffusionPipeline.from_pretrained("{base_path}")\n'
+        usage += f'pipeline.load_lora_weights("{args.output_dir}")\n'
+        usage += f'image = pipeline("{prompt}").images[0]'
+        tags = ["stable-diffusion", "text-to-image", "lora"]
+        save_model_card(args, base_path, tags, usage, shown)
         if args.push_to_hub:
             upload_folder(
                 repo_id=repo.repo_id, folder_path=args.output_dir, ignore_patterns="*checkpoint*"
@@ -558,7 +609,9 @@ def clear_error(flag):
 
 
 def load_train_dataset(args, *columns):
-    """A hub dataset or an imagefolder, and a "row" column that seeds each image's crop and flip."""
+    """A hub dataset or an imagefolder, then --validation_data_dir's pictures; a "row" column that
+    seeds each picture's crop and flip, and a "held_out" one: the pictures that never train (a
+    seeded --validation_split of them, or the folder's)."""
     name = args.dataset_name
     files = None
     flag = f"--dataset_name {name}"
@@ -572,12 +625,33 @@ def load_train_dataset(args, *columns):
             name, args.dataset_config_name, data_files=files, cache_dir=args.cache_dir
         )
         dataset = dataset["train"]
+    held_out = [False] * len(dataset)
+    if args.validation_data_dir:
+        folder = os.path.join(args.validation_data_dir, "**")
+        with clear_error(f"--validation_data_dir {args.validation_data_dir}"):
+            pictures = datasets.load_dataset("imagefolder", data_files=folder)["train"]
+        if pictures.column_names != dataset.column_names:
+            raise SystemExit(
+                f"error: --validation_data_dir: columns {pictures.column_names}, not "
+                f"{dataset.column_names} as in the training data"
+            )
+        dataset = datasets.concatenate_datasets([dataset, pictures])
+        held_out += [True] * len(pictures)
+    elif args.validation_split:
+        # The same pictures on every process and at every resume.
+        order = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(args.seed))
+        for i in order[: max(0, round(args.validation_split * len(dataset)))]:
+            held_out[i] = True
+    if (args.validation_split or args.validation_data_dir) and not 0 < sum(held_out) < len(dataset):
+        flag = "--validation_data_dir" if args.validation_data_dir else "--validation_split"
+        raise SystemExit(f"error: {flag}: no picture would be held out, or none would train")
     for column in columns:
         if column not in dataset.column_names:
             raise SystemExit(f"error: no column {column!r}; the dataset has {dataset.column_names}")
     # Decoded by open_image, so that a file that cannot be read is named.
     dataset = dataset.cast_column(args.image_column, datasets.Image(decode=False))
-    return dataset.add_column("row", range(len(dataset)))
+    dataset = dataset.add_column("row", range(len(dataset)))
+    return dataset.add_column("held_out", held_out)
 
 
 def read_caption(item, args):
@@ -661,14 +735,15 @@ def encode_latents(examples, args, augment, bucket_sizes, vae):
 
 
 @torch.no_grad()
-def sample_latents(vae, batch, args):
-    """The batch's latents (x_0 or z_0): a sample of the VAE's posterior N(μ, σ²) of each image,
-    from its pixels or its cached μ and log σ², scaled to unit variance."""
+def sample_latents(vae, batch, args, mean=False):
+    """The batch's latents (x_0 or z_0): a sample of the VAE's posterior N(μ, σ²) of each image (or
+    its mean μ), from its pixels or its cached μ and log σ², scaled to unit variance."""
     if args.cache_latents:
         posterior = DiagonalGaussianDistribution(batch["latent_moments"])
     else:
         posterior = vae.encode(batch["pixel_values"].to(vae.dtype)).latent_dist
-    return posterior.sample().float() * vae.config.scaling_factor
+    latents = posterior.mode() if mean else posterior.sample()
+    return latents.float() * vae.config.scaling_factor
 
 
 def parse_buckets(args, step):
@@ -823,23 +898,56 @@ def resume_from_checkpoint(accelerator, args):
         return int(checkpoint.rsplit("-", 1)[1])
 
 
+def log_held_out_loss(accelerator, held_out, picture_loss, model, global_step):
+    """The loss on the held-out pictures: val_loss, and val_loss_t0 to t3 over the quarters of the
+    schedule, low noise to high (val_loss is their mean weighted by their counts). The same for the
+    same weights on any number of processes: picture k of n gets t = (k + ½)·T/n and an ε seeded
+    by k (picture_loss); process p takes k = p, p + P, ..., gathered back in order."""
+    n = len(held_out)
+    # No dropout.
+    model.eval()
+    with torch.no_grad():
+        losses = []
+        for k in range(accelerator.process_index, n, accelerator.num_processes):
+            batch = send_to_device(default_collate([held_out[k]]), accelerator.device)
+            losses.append((k, picture_loss(batch, torch.Generator().manual_seed(k), (k + 0.5) / n)))
+    model.train()
+    losses = [loss for _, loss in sorted(gather_object(losses))]
+    logs = {"val_loss": sum(losses) / n}
+    quarters = [int(4 * (k + 0.5) / n) for k in range(n)]
+    for q in sorted(set(quarters)):
+        part = [loss for loss, quarter in zip(losses, quarters) if quarter == q]
+        logs[f"val_loss_t{q}"] = sum(part) / len(part)
+    accelerator.log(logs, step=global_step)
+    logger.info(f"Held-out loss at step {global_step}: {logs['val_loss']:.4f}")
+    return {"val_loss": logs["val_loss"]}
+
+
+@contextmanager
+def ema_weights(ema_model, parameters):
+    """The EMA's weights in `parameters` within the block, if there is an EMA; then the trained
+    ones again."""
+    parameters = list(parameters)
+    if ema_model is not None:
+        ema_model.store(parameters)
+        ema_model.copy_to(parameters)
+    yield
+    if ema_model is not None:
+        ema_model.restore(parameters)
+
+
 def log_validation(accelerator, args, pipeline, ema_model, global_step, lora_params):
     """A row per prompt: its images at LoRA scale 0 (the base model), then at scale 1."""
     unet = pipeline.unet
     # No dropout while sampling.
     unet.eval()
-    # Sample with the EMA weights, then put the trained ones back.
-    if ema_model is not None:
-        ema_model.store(lora_params)
-        ema_model.copy_to(lora_params)
     pipeline.set_progress_bar_config(disable=True)
     n = args.num_validation_images
     images = []
-    for scale in (0, 1):
-        kwargs = dict(num_images_per_prompt=n, cross_attention_kwargs={"scale": scale})
-        images.append(generate(accelerator, args, pipeline, **kwargs).split(n))
-    if ema_model is not None:
-        ema_model.restore(lora_params)
+    with ema_weights(ema_model, lora_params):
+        for scale in (0, 1):
+            kwargs = dict(num_images_per_prompt=n, cross_attention_kwargs={"scale": scale})
+            images.append(generate(accelerator, args, pipeline, **kwargs).split(n))
     unet.train()
     rows = [torch.cat(row) for row in zip(*images)]
     save_grid(accelerator, args, torch.cat(rows), global_step, nrow=2 * n)
@@ -901,6 +1009,23 @@ def save_kohya(args):
     # The folder's name, also for --output_dir .
     name = os.path.basename(os.path.abspath(args.output_dir))
     save_file(kohya, f"{args.output_dir}/{name}.safetensors")
+
+
+def save_model_card(args, base_model, tags, usage, shown):
+    """README.md in --output_dir, as the Diffusers examples write it for the Hub: the base model,
+    how to load the weights, the held-out loss of the saved ones, the command's flags. (diffusers'
+    load_or_create_model_card reads the Hub first, which has no local folder.)"""
+    loss = f"{shown['val_loss']:.4f}" if shown else "not measured (no --validation_split)"
+    flags = " ".join(f"--{k} {v}" for k, v in vars(args).items() if v not in (None, False))
+    text = (
+        f"# {os.path.basename(os.path.abspath(args.output_dir))}\n\n"
+        f"{f'Fine-tuned from {base_model}' if base_model else 'Trained from scratch'} by "
+        f"`{os.path.basename(sys.argv[0])}`. Held-out loss of these weights: {loss}.\n\n"
+        f"```python\n{usage}\n```\n\n## Training\n\n```\n{flags}\n```\n"
+    )
+    card_data = ModelCardData(base_model=base_model)
+    card = populate_model_card(ModelCard(f"---\n{card_data.to_yaml()}\n---\n{text}"), tags)
+    card.save(f"{args.output_dir}/README.md")
 
 
 def save_grid(accelerator, args, images, global_step, nrow):

@@ -176,7 +176,7 @@ def main(args):
 
 
 @contextmanager
-def clear_error(flag):
+def as_one_line(flag):
     """A library's error, re-raised as one line that names the flag or file it came from."""
     try:
         yield
@@ -222,7 +222,7 @@ def resume_from_checkpoint(accelerator, args):
         return 0
     checkpoint = os.path.join(args.output_dir, os.path.basename(os.path.normpath(name)))
     # A checkpoint that is missing, half written or another run's ends in one line.
-    with clear_error(f"--resume_from_checkpoint {checkpoint}"):
+    with as_one_line(f"--resume_from_checkpoint {checkpoint}"):
         accelerator.load_state(checkpoint)
         logger.info(f"Resumed from {checkpoint}")
         return int(checkpoint.rsplit("-", 1)[1])

@@ -39,7 +39,7 @@ from diffusers import DDPMScheduler, DPMSolverMultistepScheduler
 from diffusers import StableDiffusionPipeline, UNet2DConditionModel
 from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
 from diffusers.optimization import get_scheduler
-from diffusers.training_utils import EMAModel, compute_snr
+from diffusers.training_utils import EMAModel, compute_snr, parse_buckets_string
 from diffusers.utils.hub_utils import populate_model_card
 from huggingface_hub import ModelCard, ModelCardData, create_repo, upload_folder
 from PIL import Image
@@ -213,7 +213,7 @@ def main(args):
     if args.push_to_hub and accelerator.is_main_process:
         repo_id = args.hub_model_id or os.path.basename(os.path.abspath(args.output_dir))
         # Now, not after hours of training.
-        with clear_error("--push_to_hub"):
+        with as_one_line("--push_to_hub"):
             repo = create_repo(repo_id, private=args.hub_private_repo, exist_ok=True)
 
     # 3. Models: the base pipeline's noise schedule, tokenizer, text encoder, VAE and UNet
@@ -223,7 +223,7 @@ def main(args):
     # leaves that switch on in accelerate 1.15.) DeepSpeed splits the UNet in prepare.
     if sharded:
         unset_hf_deepspeed_config()
-    with clear_error(f"--pretrained_model_name_or_path {base_path}"):
+    with as_one_line(f"--pretrained_model_name_or_path {base_path}"):
         base = StableDiffusionPipeline.from_pretrained(
             base_path,
             revision=args.revision,
@@ -257,21 +257,12 @@ def main(args):
         # kohya's layout: a caption file beside each image (0001.png, 0001.txt).
         read = partial(read_caption, args=args)
         way_out = "give --instance_prompt (one prompt for all) or a caption file beside each image"
-        with clear_error(f"no column {args.caption_column!r} (--caption_column); {way_out}"):
+        with as_one_line(f"no column {args.caption_column!r} (--caption_column); {way_out}"):
             train_dataset = train_dataset.map(read, input_columns=args.image_column)
     if args.max_train_samples is not None:
         count = min(args.max_train_samples, len(train_dataset))
         train_dataset = train_dataset.shuffle(seed=args.seed).select(range(count))
-    # CLIP reads 77 tokens: a longer caption is cut there, which the log says once.
-    captions = (
-        [args.instance_prompt] if args.instance_prompt else train_dataset[args.caption_column]
-    )
-    captions = [text for one in captions for text in ([one] if isinstance(one, str) else one or [])]
-    too_long = sum(len(ids) > tokenizer.model_max_length for ids in tokenizer(captions).input_ids)
-    if too_long:
-        logger.warning(
-            f"{too_long} captions are over {tokenizer.model_max_length} tokens: cut there"
-        )
+    warn_of_long_captions(args, train_dataset, tokenizer)
     # Aspect-ratio buckets: each image trains at the size (height, width) of the bucket nearest its
     # aspect ratio, so that a portrait or a panorama is not cut to a square.
     # Latents are 2^(VAE blocks - 1) times smaller than the images.
@@ -290,23 +281,28 @@ def main(args):
         )
     else:
         train_dataset = train_dataset.add_column("bucket", [0] * len(train_dataset))
-    # Pixels in [0, 1] become (x - 0.5) / 0.5, in [-1, 1].
-    augment = transforms.Compose([transforms.ToTensor(), transforms.Normalize([0.5], [0.5])])
+    # Pixels in [0, 1] become (x - 0.5) / 0.5, in [-1, 1]; cover_and_crop resizes and crops each
+    # image first, and preprocess flips it.
+    to_tensor = transforms.Compose([transforms.ToTensor(), transforms.Normalize([0.5], [0.5])])
     # --cache_latents: the frozen VAE encodes each image once, here, not in every epoch.
     if args.cache_latents:
-        key = [train_dataset._fingerprint, base_path, args.revision, args.variant, bucket_sizes]
+        # datasets cannot fingerprint the VAE itself: the cache is named by what makes the latents.
+        made_by = [base_path, args.revision, args.variant, vae.dtype, bucket_sizes]
+        made_by += [args.image_interpolation_mode, args.random_flip]
         # The main process writes the cache; the others then read its files.
         with accelerator.main_process_first():
             train_dataset = train_dataset.map(
                 partial(
-                    encode_latents, args=args, augment=augment, bucket_sizes=bucket_sizes, vae=vae
+                    encode_latents,
+                    args=args,
+                    to_tensor=to_tensor,
+                    bucket_sizes=bucket_sizes,
+                    vae=vae,
                 ),
                 batched=True,
                 batch_size=args.train_batch_size,
                 remove_columns=args.image_column,
-                new_fingerprint=Hasher.hash(
-                    [*key, args.image_interpolation_mode, args.random_flip, vae.dtype]
-                ),
+                new_fingerprint=Hasher.hash([train_dataset._fingerprint, *made_by]),
             )
     # A cached latent's shape in each bucket: its μ and log σ², channel after channel.
     channels = 2 * vae.config.latent_channels
@@ -316,7 +312,7 @@ def main(args):
     transform = partial(
         preprocess,
         args=args,
-        augment=augment,
+        to_tensor=to_tensor,
         tokenizer=tokenizer,
         bucket_sizes=bucket_sizes,
         latent_shapes=latent_shapes,
@@ -330,16 +326,16 @@ def main(args):
     held_out.set_transform(partial(transform, epoch=0))
     # Its own generator, not the global RNG: see preprocess.
     generator = torch.Generator().manual_seed(args.seed)
-    batches = dict(batch_size=args.train_batch_size, shuffle=True)
+    loader_args = dict(batch_size=args.train_batch_size, shuffle=True)
     if args.aspect_ratio_buckets:
         sampler = torch.utils.data.RandomSampler(train_dataset, generator=generator)
-        batches = dict(batch_sampler=BucketBatches(sampler, train_dataset["bucket"], args))
+        loader_args = dict(batch_sampler=BucketBatches(sampler, train_dataset["bucket"], args))
     train_dataloader = torch.utils.data.DataLoader(
         train_dataset,
         num_workers=args.dataloader_num_workers,
         generator=generator,
         worker_init_fn=ignore_signals,
-        **batches,
+        **loader_args,
     )
 
     # 5. Optimizer and LR schedule, over each process's share of the batches
@@ -548,9 +544,10 @@ def main(args):
             # The base pipeline holds the very modules that train: no second copy, none cast.
             base.scheduler = DPMSolverMultistepScheduler.from_config(noise_scheduler.config)
             log_validation(accelerator, args, base, ema_model, global_step)
-        # A signal during validation stops the run here, with a checkpoint.
+        # A signal during validation stops the run here, with a checkpoint (the loop's, if any).
         if accelerator.check_trigger():
-            save_checkpoint(accelerator, args, global_step)
+            if global_step % args.checkpointing_steps:
+                save_checkpoint(accelerator, args, global_step)
             stop_run(accelerator, args, f"Stopped at step {global_step}")
         if last_epoch:
             break
@@ -589,12 +586,53 @@ def main(args):
 
 
 @contextmanager
-def clear_error(flag):
+def as_one_line(flag):
     """A library's error, re-raised as one line that names the flag or file it came from."""
     try:
         yield
     except Exception as e:
         raise SystemExit(f"error: {flag}: {type(e).__name__}: {' '.join(str(e).split())}") from None
+
+
+def handle_signals(accelerator, args, at_once):
+    """SIGTERM (a scheduler's notice), SIGINT (Ctrl-C): at_once, before the first step, the run
+    ends; later the first asks the loop to save and stop (set_trigger), a second ends the run."""
+    received = []
+
+    def handler(signum, frame):
+        # Slurm signals every process, which torchrun signals again: a repeat within 1 s.
+        if not received or time.monotonic() - received[-1] > 1:
+            received.append(time.monotonic())
+            why = f"Stopped by {signal.Signals(signum).name}"
+            # Now: a launcher may kill the processes before their checkpoint is whole.
+            write_stopped(accelerator, args, why)
+            if at_once or len(received) > 1:
+                stop_run(accelerator, args, why)
+            accelerator.set_trigger()
+
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, handler)
+
+
+def ignore_signals(worker_id):
+    """A DataLoader worker leaves the group's signals to the main process, which saves first."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def write_stopped(accelerator, args, why):
+    """The file `stopped` in --output_dir, which a scheduler tests for: `accelerate launch` turns
+    the script's status 75 into 1."""
+    if accelerator.is_main_process:
+        os.makedirs(args.output_dir, exist_ok=True)
+        Path(args.output_dir, "stopped").write_text(why)
+
+
+def stop_run(accelerator, args, why):
+    """Exit 75 (EX_TEMPFAIL, "try again later"); the file `stopped` says why."""
+    write_stopped(accelerator, args, why)
+    logger.info(f"{why}: go on with --resume_from_checkpoint latest")
+    raise SystemExit(75)
 
 
 def load_train_dataset(args, *columns):
@@ -609,7 +647,7 @@ def load_train_dataset(args, *columns):
         name = "imagefolder"
         files = os.path.join(args.train_data_dir, "**")
         flag = f"--train_data_dir {args.train_data_dir}"
-    with clear_error(flag):
+    with as_one_line(flag):
         dataset = datasets.load_dataset(
             name, args.dataset_config_name, data_files=files, cache_dir=args.cache_dir
         )
@@ -617,7 +655,7 @@ def load_train_dataset(args, *columns):
     held_out = [False] * len(dataset)
     if args.validation_data_dir:
         folder = os.path.join(args.validation_data_dir, "**")
-        with clear_error(f"--validation_data_dir {args.validation_data_dir}"):
+        with as_one_line(f"--validation_data_dir {args.validation_data_dir}"):
             pictures = datasets.load_dataset("imagefolder", data_files=folder)["train"]
         if pictures.column_names != dataset.column_names:
             raise SystemExit(
@@ -649,15 +687,27 @@ def read_caption(item, args):
     return {args.caption_column: Path(caption_file).read_text(encoding="utf-8-sig").strip()}
 
 
+def warn_of_long_captions(args, dataset, tokenizer):
+    """CLIP reads 77 tokens: a longer caption is cut there, which the log says once."""
+    captions = [args.instance_prompt] if args.instance_prompt else dataset[args.caption_column]
+    # A row may hold a list of captions (each epoch draws one of them), or none.
+    texts = [text for one in captions for text in ([one] if isinstance(one, str) else one or [])]
+    too_long = sum(len(ids) > tokenizer.model_max_length for ids in tokenizer(texts).input_ids)
+    if too_long:
+        logger.warning(
+            f"{too_long} captions are over {tokenizer.model_max_length} tokens: cut there"
+        )
+
+
 def open_image(item):
     """One image in RGB as its owner sees it: upright by its EXIF orientation (as `datasets` decodes
-    it), 16-bit values rounded to 8 bits rather than clipped, transparent pixels on white."""
-    with clear_error(f"image {item['path']}"):
+    it), 16-bit greys rounded to 8 bits rather than clipped, transparent pixels on white."""
+    with as_one_line(f"image {item['path']}"):
         image = datasets.Image().decode_example(item)
-    # One channel of 16 bits (modes I;16, I) or floats (F): 0..65535 or 0..1 to 0..255, rounded; a
-    # PNG's transparent value (tRNS) is compared before, as an alpha channel.
+    # One channel of 16 bits (modes I;16, I;16B, I) or floats (F): 0..65535 or 0..1 to 0..255,
+    # rounded; a PNG's transparent value (tRNS) is compared before, as an alpha channel.
     if image.mode[0] in "IF":
-        values = transforms.functional.pil_to_tensor(image).double()
+        values = transforms.functional.pil_to_tensor(image.convert("F")).double()
         top = 1 if image.mode == "F" else 65535
         if not 0 <= values.min() <= values.max() <= top:
             raise SystemExit(f"error: image {item['path']}: values outside 0..{top}")
@@ -671,73 +721,10 @@ def open_image(item):
     return image.convert("RGB")
 
 
-def preprocess(examples, args, augment, tokenizer, bucket_sizes, latent_shapes, epoch):
-    """Images to tensors (cached: their latents' moments), captions to token ids. As in
-    train_unconditional, crop, flip and caption choice come from a seed of (seed, epoch, row)."""
-    batch = {"pixel_values": [], "latent_moments": []}
-    captions = []
-    for i, row in enumerate(examples["row"]):
-        with torch.random.fork_rng(devices=[]):
-            # One seed per image and epoch; torch keeps 32 bits of a seed.
-            seed = (args.seed * 1_000_003 + epoch) * 1_000_003 + row
-            torch.default_generator.manual_seed(seed % 2**32)
-            # Drawn only with --random_flip: without it, the crop's draws stay the same.
-            flip = args.random_flip and bool(torch.rand(()) < 0.5)
-            bucket = examples["bucket"][i]
-            # The moments of both sides are cached: the flip picks one.
-            if args.cache_latents:
-                data = bytearray(examples["latent_moments"][i])
-                moments = torch.frombuffer(data, dtype=torch.float32)
-                batch["latent_moments"].append(moments.view(-1, *latent_shapes[bucket])[int(flip)])
-            else:
-                image = open_image(examples[args.image_column][i])
-                pixels = augment(cover_and_crop(image, bucket_sizes[bucket], args))
-                batch["pixel_values"].append(pixels.flip(-1) if flip else pixels)
-            # --instance_prompt over the image's own caption; a missing caption (None) is ∅.
-            caption = args.instance_prompt or examples[args.caption_column][i] or ""
-            # A list of captions: one of them.
-            if not isinstance(caption, str):
-                caption = caption[torch.randint(len(caption), ())]
-            if args.caption_dropout_rate and torch.rand(()) < args.caption_dropout_rate:
-                # The empty prompt ∅, for guidance.
-                caption = ""
-            captions.append(caption)
-    batch = {name: values for name, values in batch.items() if len(values)}
-    # Padded or cut to the tokenizer's length, CLIP's 77 tokens.
-    tokens = tokenizer(captions, padding="max_length", truncation=True)
-    batch["input_ids"] = torch.tensor(tokens.input_ids)
-    return batch
-
-
-def encode_latents(examples, args, augment, bucket_sizes, vae):
-    """Each image's VAE posterior, mean and log-variance, of both sides if flipping: each step
-    still draws its own latent z_0 = μ + σ·n. Raw float32 bytes, fast to read."""
-    latent_moments = []
-    for item, bucket in zip(examples[args.image_column], examples["bucket"]):
-        image = cover_and_crop(open_image(item), bucket_sizes[bucket], args)
-        pixels = augment(image)[None].to(vae.device, vae.dtype)
-        sides = torch.cat([pixels, pixels.flip(-1)] if args.random_flip else [pixels])
-        with torch.no_grad():
-            moments = vae.encode(sides).latent_dist.parameters
-        latent_moments.append(moments.float().cpu().numpy().tobytes())
-    return {"latent_moments": latent_moments}
-
-
-@torch.no_grad()
-def sample_latents(vae, batch, args, mean=False):
-    """The batch's latents (x_0 or z_0): a sample of the VAE's posterior N(μ, σ²) of each image (or
-    its mean μ), from its pixels or its cached μ and log σ², scaled to unit variance."""
-    if args.cache_latents:
-        posterior = DiagonalGaussianDistribution(batch["latent_moments"])
-    else:
-        posterior = vae.encode(batch["pixel_values"].to(vae.dtype)).latent_dist
-    latents = posterior.mode() if mean else posterior.sample()
-    return latents.float() * vae.config.scaling_factor
-
-
 def parse_buckets(args, step):
     """--aspect_ratio_buckets as sizes (height, width): "h1,w1;h2,w2;..." or, for "auto", sides in
-    steps of `step` px, of about --resolution² pixels, up to 4:1 either way."""
+    steps of `step` px, of about --resolution² pixels, up to 4:1 either way (diffusers'
+    generate_aspect_ratio_buckets stops at 2:1)."""
     if args.aspect_ratio_buckets == "auto":
         area = args.resolution**2
         heights = range(step, 4 * args.resolution + 1, step)
@@ -748,15 +735,16 @@ def parse_buckets(args, step):
                 f"error: --aspect_ratio_buckets auto needs --resolution {step} or more"
             )
         return sorted(size for size in sizes if 0 < max(size) <= 4 * min(size))
-    with clear_error(f"--aspect_ratio_buckets {args.aspect_ratio_buckets}"):
-        sizes = [tuple(map(int, pair.split(","))) for pair in args.aspect_ratio_buckets.split(";")]
-    if any(len(size) != 2 or min(size) <= 0 or size[0] % step or size[1] % step for size in sizes):
+    with as_one_line(f"--aspect_ratio_buckets {args.aspect_ratio_buckets}"):
+        sizes = parse_buckets_string(args.aspect_ratio_buckets)
+    if any(height % step or width % step for height, width in sizes):
         raise SystemExit(f"error: --aspect_ratio_buckets: give h,w pairs in steps of {step} px")
     return sizes
 
 
 def nearest_bucket(item, bucket_sizes):
-    """The bucket whose aspect ratio is nearest the image's, in log scale (2:1 as far as 1:2)."""
+    """The bucket whose aspect ratio is nearest the image's, in log scale (2:1 as far as 1:2;
+    diffusers' find_nearest_bucket compares |h·w_b - w·h_b|, which grows with the bucket)."""
     width, height = open_image(item).size
     distances = [abs(math.log(w / h * height / width)) for h, w in bucket_sizes]
     return {"bucket": distances.index(min(distances))}
@@ -800,13 +788,56 @@ class BucketBatches(torch.utils.data.BatchSampler):
         return sum(math.ceil(n / self.size) for n in Counter(self.buckets).values())
 
 
-def min_snr_weights(noise_scheduler, timesteps, snr_gamma):
-    """Min-SNR-γ (Hang et al. 2023): the loss on x_0 weighted by min(SNR(t), γ), with SNR(t) =
-    ᾱ_t / (1 - ᾱ_t), so that the nearly clean timesteps no longer dominate the gradient. The loss
-    on ε is the loss on x_0 times SNR(t), on v times SNR(t) + 1: divide by them."""
-    snr = compute_snr(noise_scheduler, timesteps)
-    divisors = {"epsilon": snr, "v_prediction": snr + 1, "sample": 1}
-    return snr.clamp(max=snr_gamma) / divisors[noise_scheduler.config.prediction_type]
+def encode_latents(examples, args, to_tensor, bucket_sizes, vae):
+    """Each image's VAE posterior, mean and log-variance, of both sides if flipping: each step
+    still draws its own latent z_0 = μ + σ·n. Raw float32 bytes, fast to read."""
+    latent_moments = []
+    for item, bucket in zip(examples[args.image_column], examples["bucket"]):
+        image = cover_and_crop(open_image(item), bucket_sizes[bucket], args)
+        pixels = to_tensor(image)[None].to(vae.device, vae.dtype)
+        sides = torch.cat([pixels, pixels.flip(-1)] if args.random_flip else [pixels])
+        with torch.no_grad():
+            moments = vae.encode(sides).latent_dist.parameters
+        latent_moments.append(moments.float().cpu().numpy().tobytes())
+    return {"latent_moments": latent_moments}
+
+
+def preprocess(examples, args, to_tensor, tokenizer, bucket_sizes, latent_shapes, epoch):
+    """Images to tensors (cached: their latents' moments), captions to token ids. As in
+    train_unconditional, crop, flip and caption choice come from a seed of (seed, epoch, row)."""
+    batch = {"pixel_values": [], "latent_moments": []}
+    captions = []
+    for i, row in enumerate(examples["row"]):
+        with torch.random.fork_rng(devices=[]):
+            # One seed per image and epoch; torch keeps 32 bits of a seed.
+            seed = (args.seed * 1_000_003 + epoch) * 1_000_003 + row
+            torch.default_generator.manual_seed(seed % 2**32)
+            # Drawn only with --random_flip: without it, the crop's draws stay the same.
+            flip = args.random_flip and bool(torch.rand(()) < 0.5)
+            bucket = examples["bucket"][i]
+            # The moments of both sides are cached: the flip picks one.
+            if args.cache_latents:
+                data = bytearray(examples["latent_moments"][i])
+                moments = torch.frombuffer(data, dtype=torch.float32)
+                batch["latent_moments"].append(moments.view(-1, *latent_shapes[bucket])[int(flip)])
+            else:
+                image = open_image(examples[args.image_column][i])
+                pixels = to_tensor(cover_and_crop(image, bucket_sizes[bucket], args))
+                batch["pixel_values"].append(pixels.flip(-1) if flip else pixels)
+            # --instance_prompt over the image's own caption; a missing caption (None) is ∅.
+            caption = args.instance_prompt or examples[args.caption_column][i] or ""
+            # A list of captions: one of them.
+            if not isinstance(caption, str):
+                caption = caption[torch.randint(len(caption), ())]
+            if args.caption_dropout_rate and torch.rand(()) < args.caption_dropout_rate:
+                # The empty prompt ∅, for guidance.
+                caption = ""
+            captions.append(caption)
+    batch = {name: values for name, values in batch.items() if len(values)}
+    # Padded or cut to the tokenizer's length, CLIP's 77 tokens.
+    tokens = tokenizer(captions, padding="max_length", truncation=True)
+    batch["input_ids"] = torch.tensor(tokens.input_ids)
+    return batch
 
 
 def list_checkpoints(output_dir):
@@ -836,39 +867,6 @@ def save_checkpoint(accelerator, args, global_step):
                 shutil.rmtree(f"{args.output_dir}/{name}")
 
 
-def handle_signals(accelerator, args, at_once):
-    """SIGTERM (a scheduler's notice), SIGINT (Ctrl-C): at_once, before the first step, the run
-    ends; later the first asks the loop to save and stop (set_trigger), a second ends the run."""
-    received = []
-
-    def handler(signum, frame):
-        # torchrun passes on to each process the signal it got already: a repeat within 1 s.
-        if not received or time.monotonic() - received[-1] > 1:
-            received.append(time.monotonic())
-            if at_once or len(received) > 1:
-                stop_run(accelerator, args, f"Stopped by {signal.Signals(signum).name}")
-            accelerator.set_trigger()
-
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, handler)
-
-
-def ignore_signals(worker_id):
-    """A DataLoader worker leaves the group's signals to the main process, which saves first."""
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-
-
-def stop_run(accelerator, args, why):
-    """Exit 75 (EX_TEMPFAIL, "try again later"), leaving the file `stopped` for a scheduler:
-    `accelerate launch` turns several processes' 75 into 1."""
-    if accelerator.is_main_process:
-        os.makedirs(args.output_dir, exist_ok=True)
-        Path(args.output_dir, "stopped").write_text(why)
-    logger.info(f"{why}: go on with --resume_from_checkpoint latest")
-    raise SystemExit(75)
-
-
 def resume_from_checkpoint(accelerator, args):
     """Load --resume_from_checkpoint (`latest`: the newest, if any) and return its step."""
     name = args.resume_from_checkpoint
@@ -880,10 +878,31 @@ def resume_from_checkpoint(accelerator, args):
         return 0
     checkpoint = os.path.join(args.output_dir, os.path.basename(os.path.normpath(name)))
     # A checkpoint that is missing, half written or another run's ends in one line.
-    with clear_error(f"--resume_from_checkpoint {checkpoint}"):
+    with as_one_line(f"--resume_from_checkpoint {checkpoint}"):
         accelerator.load_state(checkpoint)
         logger.info(f"Resumed from {checkpoint}")
         return int(checkpoint.rsplit("-", 1)[1])
+
+
+@torch.no_grad()
+def sample_latents(vae, batch, args, mean=False):
+    """The batch's latents (x_0 or z_0): a sample of the VAE's posterior N(μ, σ²) of each image (or
+    its mean μ), from its pixels or its cached μ and log σ², scaled to unit variance."""
+    if args.cache_latents:
+        posterior = DiagonalGaussianDistribution(batch["latent_moments"])
+    else:
+        posterior = vae.encode(batch["pixel_values"].to(vae.dtype)).latent_dist
+    latents = posterior.mode() if mean else posterior.sample()
+    return latents.float() * vae.config.scaling_factor
+
+
+def min_snr_weights(noise_scheduler, timesteps, snr_gamma):
+    """Min-SNR-γ (Hang et al. 2023): the loss on x_0 weighted by min(SNR(t), γ), with SNR(t) =
+    ᾱ_t / (1 - ᾱ_t), so that the nearly clean timesteps no longer dominate the gradient. The loss
+    on ε is the loss on x_0 times SNR(t), on v times SNR(t) + 1: divide by them."""
+    snr = compute_snr(noise_scheduler, timesteps)
+    divisors = {"epsilon": snr, "v_prediction": snr + 1, "sample": 1}
+    return snr.clamp(max=snr_gamma) / divisors[noise_scheduler.config.prediction_type]
 
 
 def log_held_out_loss(accelerator, held_out, picture_loss, model, global_step):

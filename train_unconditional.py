@@ -168,14 +168,14 @@ def main(args):
     if args.push_to_hub and accelerator.is_main_process:
         repo_id = args.hub_model_id or os.path.basename(os.path.abspath(args.output_dir))
         # Now, not after hours of training.
-        with clear_error("--push_to_hub"):
+        with as_one_line("--push_to_hub"):
             repo = create_repo(repo_id, private=args.hub_private_repo, exist_ok=True)
 
     # 3. Models: the UNet ε_θ, and the noise schedule β_1..β_T of the forward process
     dtypes = {"fp16": torch.float16, "bf16": torch.bfloat16}
     weight_dtype = dtypes.get(accelerator.mixed_precision, torch.float32)
     if args.model_config_name_or_path:
-        with clear_error(f"--model_config_name_or_path {args.model_config_name_or_path}"):
+        with as_one_line(f"--model_config_name_or_path {args.model_config_name_or_path}"):
             model = UNet2DModel.from_config(UNet2DModel.load_config(args.model_config_name_or_path))
     else:
         # The Diffusers example's UNet.
@@ -420,9 +420,10 @@ def main(args):
             log_validation(
                 accelerator, args, unwrap(model), ema_model, noise_scheduler, global_step
             )
-        # A signal during validation stops the run here, with a checkpoint.
+        # A signal during validation stops the run here, with a checkpoint (the loop's, if any).
         if accelerator.check_trigger():
-            save_checkpoint(accelerator, args, global_step)
+            if global_step % args.checkpointing_steps:
+                save_checkpoint(accelerator, args, global_step)
             stop_run(accelerator, args, f"Stopped at step {global_step}")
         if last_epoch:
             break
@@ -442,12 +443,53 @@ def main(args):
 
 
 @contextmanager
-def clear_error(flag):
+def as_one_line(flag):
     """A library's error, re-raised as one line that names the flag or file it came from."""
     try:
         yield
     except Exception as e:
         raise SystemExit(f"error: {flag}: {type(e).__name__}: {' '.join(str(e).split())}") from None
+
+
+def handle_signals(accelerator, args, at_once):
+    """SIGTERM (a scheduler's notice), SIGINT (Ctrl-C): at_once, before the first step, the run
+    ends; later the first asks the loop to save and stop (set_trigger), a second ends the run."""
+    received = []
+
+    def handler(signum, frame):
+        # Slurm signals every process, which torchrun signals again: a repeat within 1 s.
+        if not received or time.monotonic() - received[-1] > 1:
+            received.append(time.monotonic())
+            why = f"Stopped by {signal.Signals(signum).name}"
+            # Now: a launcher may kill the processes before their checkpoint is whole.
+            write_stopped(accelerator, args, why)
+            if at_once or len(received) > 1:
+                stop_run(accelerator, args, why)
+            accelerator.set_trigger()
+
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, handler)
+
+
+def ignore_signals(worker_id):
+    """A DataLoader worker leaves the group's signals to the main process, which saves first."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def write_stopped(accelerator, args, why):
+    """The file `stopped` in --output_dir, which a scheduler tests for: `accelerate launch` turns
+    the script's status 75 into 1."""
+    if accelerator.is_main_process:
+        os.makedirs(args.output_dir, exist_ok=True)
+        Path(args.output_dir, "stopped").write_text(why)
+
+
+def stop_run(accelerator, args, why):
+    """Exit 75 (EX_TEMPFAIL, "try again later"); the file `stopped` says why."""
+    write_stopped(accelerator, args, why)
+    logger.info(f"{why}: go on with --resume_from_checkpoint latest")
+    raise SystemExit(75)
 
 
 def load_train_dataset(args, *columns):
@@ -462,7 +504,7 @@ def load_train_dataset(args, *columns):
         name = "imagefolder"
         files = os.path.join(args.train_data_dir, "**")
         flag = f"--train_data_dir {args.train_data_dir}"
-    with clear_error(flag):
+    with as_one_line(flag):
         dataset = datasets.load_dataset(
             name, args.dataset_config_name, data_files=files, cache_dir=args.cache_dir
         )
@@ -470,7 +512,7 @@ def load_train_dataset(args, *columns):
     held_out = [False] * len(dataset)
     if args.validation_data_dir:
         folder = os.path.join(args.validation_data_dir, "**")
-        with clear_error(f"--validation_data_dir {args.validation_data_dir}"):
+        with as_one_line(f"--validation_data_dir {args.validation_data_dir}"):
             pictures = datasets.load_dataset("imagefolder", data_files=folder)["train"]
         if pictures.column_names != dataset.column_names:
             raise SystemExit(
@@ -498,13 +540,13 @@ def load_train_dataset(args, *columns):
 
 def open_image(item):
     """One image in RGB as its owner sees it: upright by its EXIF orientation (as `datasets` decodes
-    it), 16-bit values rounded to 8 bits rather than clipped, transparent pixels on white."""
-    with clear_error(f"image {item['path']}"):
+    it), 16-bit greys rounded to 8 bits rather than clipped, transparent pixels on white."""
+    with as_one_line(f"image {item['path']}"):
         image = datasets.Image().decode_example(item)
-    # One channel of 16 bits (modes I;16, I) or floats (F): 0..65535 or 0..1 to 0..255, rounded; a
-    # PNG's transparent value (tRNS) is compared before, as an alpha channel.
+    # One channel of 16 bits (modes I;16, I;16B, I) or floats (F): 0..65535 or 0..1 to 0..255,
+    # rounded; a PNG's transparent value (tRNS) is compared before, as an alpha channel.
     if image.mode[0] in "IF":
-        values = transforms.functional.pil_to_tensor(image).double()
+        values = transforms.functional.pil_to_tensor(image.convert("F")).double()
         top = 1 if image.mode == "F" else 65535
         if not 0 <= values.min() <= values.max() <= top:
             raise SystemExit(f"error: image {item['path']}: values outside 0..{top}")
@@ -535,15 +577,6 @@ def preprocess(examples, args, augment, epoch):
     return batch
 
 
-def min_snr_weights(noise_scheduler, timesteps, snr_gamma):
-    """Min-SNR-γ (Hang et al. 2023): the loss on x_0 weighted by min(SNR(t), γ), with SNR(t) =
-    ᾱ_t / (1 - ᾱ_t), so that the nearly clean timesteps no longer dominate the gradient. The loss
-    on ε is the loss on x_0 times SNR(t), on v times SNR(t) + 1: divide by them."""
-    snr = compute_snr(noise_scheduler, timesteps)
-    divisors = {"epsilon": snr, "v_prediction": snr + 1, "sample": 1}
-    return snr.clamp(max=snr_gamma) / divisors[noise_scheduler.config.prediction_type]
-
-
 def list_checkpoints(output_dir):
     """The checkpoint-N folders in output_dir, oldest first."""
     names = os.listdir(output_dir) if os.path.isdir(output_dir) else []
@@ -571,39 +604,6 @@ def save_checkpoint(accelerator, args, global_step):
                 shutil.rmtree(f"{args.output_dir}/{name}")
 
 
-def handle_signals(accelerator, args, at_once):
-    """SIGTERM (a scheduler's notice), SIGINT (Ctrl-C): at_once, before the first step, the run
-    ends; later the first asks the loop to save and stop (set_trigger), a second ends the run."""
-    received = []
-
-    def handler(signum, frame):
-        # torchrun passes on to each process the signal it got already: a repeat within 1 s.
-        if not received or time.monotonic() - received[-1] > 1:
-            received.append(time.monotonic())
-            if at_once or len(received) > 1:
-                stop_run(accelerator, args, f"Stopped by {signal.Signals(signum).name}")
-            accelerator.set_trigger()
-
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, handler)
-
-
-def ignore_signals(worker_id):
-    """A DataLoader worker leaves the group's signals to the main process, which saves first."""
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-
-
-def stop_run(accelerator, args, why):
-    """Exit 75 (EX_TEMPFAIL, "try again later"), leaving the file `stopped` for a scheduler:
-    `accelerate launch` turns several processes' 75 into 1."""
-    if accelerator.is_main_process:
-        os.makedirs(args.output_dir, exist_ok=True)
-        Path(args.output_dir, "stopped").write_text(why)
-    logger.info(f"{why}: go on with --resume_from_checkpoint latest")
-    raise SystemExit(75)
-
-
 def resume_from_checkpoint(accelerator, args):
     """Load --resume_from_checkpoint (`latest`: the newest, if any) and return its step."""
     name = args.resume_from_checkpoint
@@ -615,10 +615,19 @@ def resume_from_checkpoint(accelerator, args):
         return 0
     checkpoint = os.path.join(args.output_dir, os.path.basename(os.path.normpath(name)))
     # A checkpoint that is missing, half written or another run's ends in one line.
-    with clear_error(f"--resume_from_checkpoint {checkpoint}"):
+    with as_one_line(f"--resume_from_checkpoint {checkpoint}"):
         accelerator.load_state(checkpoint)
         logger.info(f"Resumed from {checkpoint}")
         return int(checkpoint.rsplit("-", 1)[1])
+
+
+def min_snr_weights(noise_scheduler, timesteps, snr_gamma):
+    """Min-SNR-γ (Hang et al. 2023): the loss on x_0 weighted by min(SNR(t), γ), with SNR(t) =
+    ᾱ_t / (1 - ᾱ_t), so that the nearly clean timesteps no longer dominate the gradient. The loss
+    on ε is the loss on x_0 times SNR(t), on v times SNR(t) + 1: divide by them."""
+    snr = compute_snr(noise_scheduler, timesteps)
+    divisors = {"epsilon": snr, "v_prediction": snr + 1, "sample": 1}
+    return snr.clamp(max=snr_gamma) / divisors[noise_scheduler.config.prediction_type]
 
 
 def log_held_out_loss(accelerator, held_out, picture_loss, model, global_step):

@@ -81,6 +81,8 @@ def test_sixteen_bit_and_float_pictures_round_and_keep_their_transparent_key(tmp
     grey = np.asarray(open_image(tmp_path / "key.png"))[..., 0]
     assert np.array_equal(grey, np.where(values == 1000, 255, np.rint(values / 257)))  # the key on white
     floats = np.linspace(0, 1, 64, dtype=np.float32).reshape(8, 8)
+    Image.fromarray(values.astype(">u2")).save(tmp_path / "big-endian.tif")  # mode I;16B
+    assert np.array_equal(np.asarray(open_image(tmp_path / "big-endian.tif"))[..., 0], np.rint(values / 257))
     Image.fromarray(floats).save(tmp_path / "float.tif")
     assert np.array_equal(np.asarray(open_image(tmp_path / "float.tif"))[..., 0], np.rint(floats * 255))
     Image.fromarray(floats * 255).save(tmp_path / "wide.tif")
@@ -227,7 +229,7 @@ def test_a_bucketed_lora_resumes_exactly_on_two_processes_and_its_files_load(cac
 def test_buckets_under_deepspeed_zero2_train_and_resume_exactly(bucket_args, tmp_path):
     """`accelerate launch --use_deepspeed` without a config file asks for an "auto" micro-batch, which accelerate
     reads from the DataLoader; a bucketed one has no batch size, so the script gives it --train_batch_size."""
-    args = bucket_args + ["--train_batch_size", "1", "--use_ema", "--cache_latents", "--center_crop"]
+    args = bucket_args + ["--use_ema", "--cache_latents", "--center_crop", "--dataloader_num_workers", "2"]
     out = tmp_path / "out"
     run_script(T2I, args + ["--output_dir", out], num_processes=2, launch_args=zero(2))
     resumed = resume_copy(out, "checkpoint-4")

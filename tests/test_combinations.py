@@ -27,8 +27,10 @@ COLUMNS = [(0, *word) for word in itertools.product((0, 1), repeat=5) if sum(wor
 RUNS = [dict(zip(FACTORS, row)) for row in zip(*COLUMNS)]
 MAX_STEPS = 9  # 12 images in batches of 2 or 4 over 1 or 2 processes: epochs of 3 or 6 steps
 
-# The script under a stand-in for Slurm: at optimizer step STOP_AT, rank 0 sends SIGTERM to its process group
-# (the launcher, every rank and every DataLoader worker), as `scancel` and a terminal's Ctrl-C do.
+# The script under a stand-in for a terminal's Ctrl-C or `kill -- -PGID`: at optimizer step STOP_AT, rank 0 sends
+# SIGTERM to the launcher's process group. That is `python` and its DataLoader workers for one process; with two,
+# torchrun runs each rank in a session of its own, so the group holds the launcher alone, which passes the signal
+# on to each rank's group (the rank and its workers).
 STOPPER = f"""
 import os, signal, sys
 sys.path.insert(0, {str(REPO)!r})
@@ -38,7 +40,7 @@ step, calls = AcceleratedScheduler.step, [0]
 def stop_at(self, *args, **kwargs):
     calls[0] += 1
     if calls[0] == int(os.environ.get("STOP_AT", 0)) and os.environ.get("RANK", "0") == "0":
-        os.killpg(os.getpgrp(), signal.SIGTERM)
+        os.killpg(os.getpgid(os.getppid()) if "LOCAL_RANK" in os.environ else os.getpgrp(), signal.SIGTERM)
     return step(self, *args, **kwargs)
 AcceleratedScheduler.step = stop_at
 script.main(script.parse_args())

@@ -542,3 +542,23 @@ def test_a_second_signal_ends_the_run_at_once(stop_args, tmp_path, monkeypatch, 
     assert stop.value.code == 75 and checkpoints(out) == []
     assert "Stopped by SIGTERM: go on with --resume_from_checkpoint latest" in caplog.text
     assert (out / "stopped").exists()
+
+
+def test_the_file_stopped_is_written_when_the_signal_arrives(stop_args, tmp_path, monkeypatch, signal_handlers):
+    """torchrun kills the processes 30 s after it passes a signal on: the file a scheduler requeues by is there
+    before the checkpoint is written, not only after it."""
+    from accelerate import Accelerator
+    from accelerate.scheduler import AcceleratedScheduler
+
+    out, seen = tmp_path / "out", []
+    signal_on_call(monkeypatch, AcceleratedScheduler, "step", {1})
+    save_state = Accelerator.save_state
+
+    def record(self, *args, **kwargs):
+        seen.append((out / "stopped").exists())
+        return save_state(self, *args, **kwargs)
+
+    monkeypatch.setattr(Accelerator, "save_state", record)
+    with pytest.raises(SystemExit):
+        train_in_process(SCRIPT, stop_args + ["--output_dir", out])
+    assert seen == [True] and (out / "stopped").read_text() == "Stopped at step 3"

@@ -496,6 +496,9 @@ def main(args):
             upload_folder(
                 repo_id=repo.repo_id, folder_path=args.output_dir, ignore_patterns="*checkpoint*"
             )
+    # Finished, even if a signal came during the final save: nothing to requeue.
+    if accelerator.is_main_process:
+        Path(args.output_dir, "stopped").unlink(missing_ok=True)
     accelerator.end_training()
 
 

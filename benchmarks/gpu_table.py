@@ -77,9 +77,10 @@ FLAGS = {
     "reduce-overhead": ("+compile reduce-overhead", [], GRAPHS),
     "profile": ("+profile", [], {}),
 }
-# Seconds, from the H100 run of 2026-11-26: a row (launch, 20 steps, exit), the first compile of
-# the SD 1.5 UNet's forward and backward, a compiled DiT-B/2 row, building SD 1.5.
-ESTIMATE_S = {"row": 25, "compile": 140, "dit": 80, "build": 20}
+# Seconds, from the H100 run of 2026-11-26: a row (launch, 20 steps, exit: its eager tables took
+# 33 to 39 s a row), the first compile of the SD 1.5 UNet's forward and backward (the compiled
+# table: 174 s a row), a compiled DiT-B/2 row (its table: 2.3 min), building SD 1.5.
+ESTIMATE_S = {"row": 35, "compile": 150, "dit": 140, "build": 20}
 # The whole table, the most wanted rows first.
 DEFAULT_ROWS = ["lora:*:b4:default", "lora:ours:b4:cache", "lora:ours:b4:cache+reduce-overhead"]
 DEFAULT_ROWS += ["lora:*:b4:profile", "lora:*:b16:default", "lora:ours:b1:gc", "sd:*:b4:default"]
@@ -386,10 +387,13 @@ def dry_run(args, rows):
             left = args.budget_s - spent
             print(f"{row.id}: skipped: ~{estimate_s(row)} s, {left:.0f} s of --budget_s left")
             continue
+        if row.skip:
+            print(f"{row.id}: {row.skip}")
+            continue
         env = "".join(f"{k}={v} " for k, v in row_env(args, row).items())
         cmd = shlex.join(script_command(args, row, "PIPELINE", "DATA", "OUTPUT_DIR"))
-        spent = spent if row.skip else ends
-        print(f"{row.id}: {row.skip or f'~{estimate_s(row)} s, ends at ~{ends} s: {env}{cmd}'}")
+        spent = ends
+        print(f"{row.id}: ~{estimate_s(row)} s, ends at ~{ends} s: {env}{cmd}")
     budget = f" (--budget_s {args.budget_s:g})" if args.budget_s else ""
     print(f"estimate: ~{spent} s{budget}, from the H100 run of 2026-11-26")
 

@@ -15,6 +15,7 @@ import logging
 import math
 import os
 import re
+import shlex
 import shutil
 import signal
 import sys
@@ -463,9 +464,9 @@ def main(args):
                     save_checkpoint(accelerator, args, global_step)
                 if stopped:
                     stop_run(accelerator, args, f"Stopped at step {global_step}")
-                # The held-out loss, every --validate_every_n_steps (or checkpoint) and at the end.
+                # The held-out loss, every --validate_every_n_steps (or checkpoint); the last in 9.
                 every = args.validate_every_n_steps or args.checkpointing_steps
-                if len(held_out) and (global_step % every == 0 or global_step >= max_train_steps):
+                if len(held_out) and global_step % every == 0 and global_step < max_train_steps:
                     with ema_weights(ema_model, model.parameters()):
                         shown = log_held_out_loss(
                             accelerator, held_out, picture_loss, model, global_step
@@ -488,9 +489,14 @@ def main(args):
             save_pipeline(args, unwrap(model), ema_model, sampler, names)
 
     # 9. Final save: a DiTPipeline folder (transformer/, scheduler/, vae/), EMA weights if any
+    # The held-out loss of the weights saved, on every process (also after a resume at the end).
+    if len(held_out):
+        with ema_weights(ema_model, model.parameters()):
+            shown = log_held_out_loss(accelerator, held_out, picture_loss, model, global_step)
     if accelerator.is_main_process:
         save_pipeline(args, unwrap(model), ema_model, sampler, names)
-        usage = f'pipeline = DiTPipeline.from_pretrained("{args.output_dir}")  # vae=None in pixels'
+        where = repo.repo_id if args.push_to_hub else args.output_dir
+        usage = f"pipeline = DiTPipeline.from_pretrained({where!r}{'' if vae else ', vae=None'})"
         save_model_card(args, None, ["dit", "class-conditional-image-generation"], usage, shown)
         if args.push_to_hub:
             upload_folder(
@@ -571,15 +577,18 @@ def load_train_dataset(args, *columns):
         dataset = dataset["train"]
     held_out = [False] * len(dataset)
     if args.validation_data_dir:
-        folder = os.path.join(args.validation_data_dir, "**")
-        with as_one_line(f"--validation_data_dir {args.validation_data_dir}"):
-            pictures = datasets.load_dataset("imagefolder", data_files=folder)["train"]
-        if pictures.column_names != dataset.column_names:
+        folder = args.validation_data_dir
+        train, held = (Path(d or ".").resolve() for d in (args.train_data_dir, folder))
+        # A folder inside the other would train on held-out pictures.
+        if args.train_data_dir and (held.is_relative_to(train) or train.is_relative_to(held)):
             raise SystemExit(
-                f"error: --validation_data_dir: columns {pictures.column_names}, not "
-                f"{dataset.column_names} as in the training data"
+                "error: --validation_data_dir: give a folder apart from the training one"
             )
-        dataset = datasets.concatenate_datasets([dataset, pictures])
+        with as_one_line(f"--validation_data_dir {args.validation_data_dir}"):
+            pictures = datasets.load_dataset("imagefolder", data_files=f"{held}/**")["train"]
+            if sorted(pictures.column_names) != sorted(dataset.column_names):
+                raise ValueError(f"columns {pictures.column_names}, not {dataset.column_names}")
+            dataset = datasets.concatenate_datasets([dataset, pictures])
         held_out += [True] * len(pictures)
     elif args.validation_split:
         # The same pictures on every process and at every resume.
@@ -851,17 +860,19 @@ def save_pipeline(args, model, ema_model, sampler, names):
 
 def save_model_card(args, base_model, tags, usage, shown):
     """README.md in --output_dir, as the Diffusers examples write it for the Hub: the base model,
-    how to load the weights, the held-out loss of the saved ones, the command's flags. (diffusers'
+    how to load the weights, the held-out loss of the saved ones, the command. (diffusers'
     load_or_create_model_card reads the Hub first, which has no local folder.)"""
     loss = f"{shown['val_loss']:.4f}" if shown else "not measured (no --validation_split)"
-    flags = " ".join(f"--{k} {v}" for k, v in vars(args).items() if v not in (None, False))
+    flags = shlex.join(sys.argv)
     text = (
         f"# {os.path.basename(os.path.abspath(args.output_dir))}\n\n"
         f"{f'Fine-tuned from {base_model}' if base_model else 'Trained from scratch'} by "
         f"`{os.path.basename(sys.argv[0])}`. Held-out loss of these weights: {loss}.\n\n"
         f"```python\n{usage}\n```\n\n## Training\n\n```\n{flags}\n```\n"
     )
-    card_data = ModelCardData(base_model=base_model)
+    # The Hub checks the header, where base_model must name a model of the Hub, not a folder.
+    hub_model = None if base_model is None or os.path.isdir(base_model) else base_model
+    card_data = ModelCardData(base_model=hub_model)
     card = populate_model_card(ModelCard(f"---\n{card_data.to_yaml()}\n---\n{text}"), tags)
     card.save(f"{args.output_dir}/README.md")
 

@@ -15,6 +15,7 @@ import logging
 import math
 import os
 import re
+import shlex
 import shutil
 import signal
 import sys
@@ -259,9 +260,6 @@ def main(args):
         way_out = "give --instance_prompt (one prompt for all) or a caption file beside each image"
         with as_one_line(f"no column {args.caption_column!r} (--caption_column); {way_out}"):
             train_dataset = train_dataset.map(read, input_columns=args.image_column)
-    if args.max_train_samples is not None:
-        count = min(args.max_train_samples, len(train_dataset))
-        train_dataset = train_dataset.shuffle(seed=args.seed).select(range(count))
     warn_of_long_captions(args, train_dataset, tokenizer)
     # Aspect-ratio buckets: each image trains at the size (height, width) of the bucket nearest its
     # aspect ratio, so that a portrait or a panorama is not cut to a square.
@@ -323,6 +321,10 @@ def main(args):
     train_dataset = train_dataset.select(
         [i for i, h in enumerate(held) if not h], keep_in_memory=True
     )
+    if args.max_train_samples is not None:
+        count = min(args.max_train_samples, len(train_dataset))
+        train_dataset = train_dataset.shuffle(seed=args.seed, keep_in_memory=True)
+        train_dataset = train_dataset.select(range(count))
     held_out.set_transform(partial(transform, epoch=0))
     # Its own generator, not the global RNG: see preprocess.
     generator = torch.Generator().manual_seed(args.seed)
@@ -528,9 +530,9 @@ def main(args):
                     save_checkpoint(accelerator, args, global_step)
                 if stopped:
                     stop_run(accelerator, args, f"Stopped at step {global_step}")
-                # The held-out loss, every --validate_every_n_steps (or checkpoint) and at the end.
+                # The held-out loss, every --validate_every_n_steps (or checkpoint); the last in 9.
                 every = args.validate_every_n_steps or args.checkpointing_steps
-                if len(held_out) and (global_step % every == 0 or global_step >= max_train_steps):
+                if len(held_out) and global_step % every == 0 and global_step < max_train_steps:
                     with ema_weights(ema_model, unet.parameters()):
                         shown = log_held_out_loss(
                             accelerator, held_out, picture_loss, unet, global_step
@@ -554,6 +556,10 @@ def main(args):
 
     # 9. Final save: the whole pipeline, the frozen parts as they are on disk, the UNet with the
     #    EMA weights if any
+    # The held-out loss of the weights saved, on every process (also after a resume at the end).
+    if len(held_out):
+        with ema_weights(ema_model, unet.parameters()):
+            shown = log_held_out_loss(accelerator, held_out, picture_loss, unet, global_step)
     # On every process: under ZeRO-3 each sends its part of the weights.
     unet_weights = accelerator.get_state_dict(unet)
     if accelerator.is_main_process:
@@ -574,8 +580,9 @@ def main(args):
         pipeline.save_pretrained(args.output_dir)
         logger.info(f"Saved to {args.output_dir}")
         prompt = (args.validation_prompts or ["a photo"])[0]
-        usage = f'pipeline = StableDiffusionPipeline.from_pretrained("{args.output_dir}")\n'
-        usage += f'image = pipeline("{prompt}").images[0]'
+        where = repo.repo_id if args.push_to_hub else args.output_dir
+        usage = f"pipeline = StableDiffusionPipeline.from_pretrained({where!r})\n"
+        usage += f"image = pipeline({prompt!r}).images[0]"
         tags = ["stable-diffusion", "text-to-image"]
         save_model_card(args, base_path, tags, usage, shown)
         if args.push_to_hub:
@@ -657,15 +664,18 @@ def load_train_dataset(args, *columns):
         dataset = dataset["train"]
     held_out = [False] * len(dataset)
     if args.validation_data_dir:
-        folder = os.path.join(args.validation_data_dir, "**")
-        with as_one_line(f"--validation_data_dir {args.validation_data_dir}"):
-            pictures = datasets.load_dataset("imagefolder", data_files=folder)["train"]
-        if pictures.column_names != dataset.column_names:
+        folder = args.validation_data_dir
+        train, held = (Path(d or ".").resolve() for d in (args.train_data_dir, folder))
+        # A folder inside the other would train on held-out pictures.
+        if args.train_data_dir and (held.is_relative_to(train) or train.is_relative_to(held)):
             raise SystemExit(
-                f"error: --validation_data_dir: columns {pictures.column_names}, not "
-                f"{dataset.column_names} as in the training data"
+                "error: --validation_data_dir: give a folder apart from the training one"
             )
-        dataset = datasets.concatenate_datasets([dataset, pictures])
+        with as_one_line(f"--validation_data_dir {args.validation_data_dir}"):
+            pictures = datasets.load_dataset("imagefolder", data_files=f"{held}/**")["train"]
+            if sorted(pictures.column_names) != sorted(dataset.column_names):
+                raise ValueError(f"columns {pictures.column_names}, not {dataset.column_names}")
+            dataset = datasets.concatenate_datasets([dataset, pictures])
         held_out += [True] * len(pictures)
     elif args.validation_split:
         # The same pictures on every process and at every resume.
@@ -976,17 +986,19 @@ def generate(accelerator, args, pipeline, **kwargs):
 
 def save_model_card(args, base_model, tags, usage, shown):
     """README.md in --output_dir, as the Diffusers examples write it for the Hub: the base model,
-    how to load the weights, the held-out loss of the saved ones, the command's flags. (diffusers'
+    how to load the weights, the held-out loss of the saved ones, the command. (diffusers'
     load_or_create_model_card reads the Hub first, which has no local folder.)"""
     loss = f"{shown['val_loss']:.4f}" if shown else "not measured (no --validation_split)"
-    flags = " ".join(f"--{k} {v}" for k, v in vars(args).items() if v not in (None, False))
+    flags = shlex.join(sys.argv)
     text = (
         f"# {os.path.basename(os.path.abspath(args.output_dir))}\n\n"
         f"{f'Fine-tuned from {base_model}' if base_model else 'Trained from scratch'} by "
         f"`{os.path.basename(sys.argv[0])}`. Held-out loss of these weights: {loss}.\n\n"
         f"```python\n{usage}\n```\n\n## Training\n\n```\n{flags}\n```\n"
     )
-    card_data = ModelCardData(base_model=base_model)
+    # The Hub checks the header, where base_model must name a model of the Hub, not a folder.
+    hub_model = None if base_model is None or os.path.isdir(base_model) else base_model
+    card_data = ModelCardData(base_model=hub_model)
     card = populate_model_card(ModelCard(f"---\n{card_data.to_yaml()}\n---\n{text}"), tags)
     card.save(f"{args.output_dir}/README.md")
 

@@ -3,7 +3,9 @@ the four diffusion scripts: the same value for the same weights, on 1 and 2 proc
 training batch, before and after a resume; the same split with buckets and the latent cache; the quarters of the
 schedule that make up the whole; bad input in one line; a card that names the base model."""
 
+import ast
 import shutil
+import sys
 
 import pytest
 from conftest import import_script, resume_copy, run_script, train_in_process, write_imagefolder
@@ -89,6 +91,31 @@ def test_no_held_out_picture_ever_trains_and_the_split_survives_a_resume(uncond_
         trained, held = record_rows(patch, UNCOND)
         train_in_process(UNCOND, args + ["--output_dir", resumed, "--resume_from_checkpoint", "latest"])
     assert held and all(rows == split for rows in held) and not set(trained) & set(split)
+    # Resumed at the last step: nothing left to train, and the card still has the saved weights' loss.
+    at_end = resume_copy(out, "checkpoint-6", tmp_path / "at-end")
+    train_in_process(UNCOND, args + ["--output_dir", at_end, "--resume_from_checkpoint", "latest"])
+    assert "Held-out loss of these weights: 0." in (at_end / "README.md").read_text()
+
+
+def test_held_out_passes_leave_the_training_untouched(uncond_args, tmp_path):
+    """A held-out loss at every step or at none: the same final weights, bit for bit (no random draw of the loop
+    is taken, and dropout is off only while it runs)."""
+    from conftest import assert_same_weights, weights
+
+    for every in ("1", "1000"):
+        train_in_process(UNCOND, uncond_args + ["--logger", "none", "--validate_every_n_steps", every,
+                                                "--output_dir", tmp_path / every])
+    assert_same_weights(weights(tmp_path / "1" / "unet"), weights(tmp_path / "1000" / "unet"))
+
+
+def test_max_train_samples_draws_from_the_pictures_that_train(tiny_sd_path, sd_folder, tmp_path, monkeypatch):
+    args = ["--pretrained_model_name_or_path", tiny_sd_path, "--train_data_dir", sd_folder, "--resolution", "64",
+            "--train_batch_size", "2", "--max_train_steps", "4", "--validation_split", "0.25", "--report_to", "none",
+            "--max_train_samples", "4", "--output_dir", tmp_path / "out"]  # fmt: skip
+    with monkeypatch.context() as patch:
+        trained, held = record_rows(patch, T2I)
+        train_in_process(T2I, args)
+    assert len(held[0]) == 3 and len(set(trained)) == 4 and not set(trained) & set(held[0])  # 4 of the other 9
 
 
 def test_the_split_is_the_same_with_buckets_and_the_latent_cache(tiny_sd_path, sd_folder, tmp_path, monkeypatch):
@@ -108,7 +135,7 @@ def test_the_split_is_the_same_with_buckets_and_the_latent_cache(tiny_sd_path, s
 @pytest.mark.parametrize("script", [DIT, T2I, LORA])
 def test_each_latent_script_logs_a_held_out_loss_and_writes_a_card_naming_its_base(script, tiny_sd_path, sd_folder,
                                                                                      tiny_dit_config, tmp_path,
-                                                                                     capsys):
+                                                                                     monkeypatch):
     out = tmp_path / "out"
     if script == DIT:
         args = ["--train_data_dir", sd_folder, "--model_config_name_or_path", tiny_dit_config, "--resolution", "32",
@@ -119,15 +146,19 @@ def test_each_latent_script_logs_a_held_out_loss_and_writes_a_card_naming_its_ba
                 "64", "--use_ema", "--report_to", "tensorboard"]  # fmt: skip
     args += ["--train_batch_size", "3", "--max_train_steps", "2", "--validation_split", "0.25",
              "--output_dir", out]  # fmt: skip
+    monkeypatch.setattr(sys, "argv", [script, *map(str, args)])  # the command the card records
     train_in_process(script, args)
     logged = scalars(out)
     assert list(logged["val_loss"]) == [2]  # at the end
     card = (out / "README.md").read_text()
-    assert f"{logged['val_loss'][2]:.4f}" in card and "--validation_split 0.25" in card
+    assert f"{logged['val_loss'][2]:.4f}" in card and f"{script} " in card and "--validation_split 0.25" in card
+    # The loading lines are Python; a local base model is named in the text, not in the Hub's header.
+    ast.parse(card.split("```python\n")[1].split("```")[0])
+    assert "base_model" not in card.split("---")[1]
     if script == DIT:
-        assert "Trained from scratch" in card
+        assert "Trained from scratch" in card and "vae=None" in card
     else:
-        assert f"base_model: {tiny_sd_path}" in card and f"Fine-tuned from {tiny_sd_path}" in card
+        assert f"Fine-tuned from {tiny_sd_path}" in card
 
 
 def test_the_unconditional_card_says_it_was_trained_from_scratch(uncond_args, tmp_path):
@@ -141,9 +172,10 @@ def test_the_unconditional_card_says_it_was_trained_from_scratch(uncond_args, tm
 @pytest.mark.parametrize("case, expected", [
     ("all", "error: --validation_split: no picture would be held out, or none would train"),
     ("none", "error: --validation_split: no picture would be held out, or none would train"),
-    ("other_format", "error: --validation_data_dir: columns ['image', 'text'], not ['image', 'text', 'label'] as in "
-                     "the training data"),
-    ("no_pictures", "error: --validation_data_dir "),
+    ("other_format", "error: --validation_data_dir {held}: ValueError: columns ['image', 'text'], not "
+                     "['image', 'text', 'label']"),
+    ("no_pictures", "error: --validation_data_dir {held}: "),
+    ("inside", "error: --validation_data_dir: give a folder apart from the training one"),
 ])  # fmt: skip
 def test_a_split_that_leaves_nothing_or_a_folder_of_another_format_is_one_line(case, expected, uncond_args,
                                                                                run_in_process, tmp_path):
@@ -154,10 +186,12 @@ def test_a_split_that_leaves_nothing_or_a_folder_of_another_format_is_one_line(c
     elif case == "no_pictures":
         (tmp_path / "held").mkdir()
         args += ["--validation_data_dir", tmp_path / "held"]
+    elif case == "inside":
+        args += ["--validation_data_dir", uncond_args[1]]  # the training folder itself
     else:
         args += ["--validation_split", "0.99" if case == "all" else "0.01"]
     error = run_in_process(UNCOND, args)
-    assert error.startswith(expected) and "\n" not in error
+    assert error.startswith(expected.format(held=(tmp_path / "held").resolve())) and "\n" not in error
     assert not (tmp_path / "out").exists()
     shutil.rmtree(tmp_path / "held", ignore_errors=True)
 

@@ -106,20 +106,6 @@ def slow_launcher(folder):
     return launcher
 
 
-def test_sigterm_to_two_processes_saves_and_the_resume_is_exact(two_processes, common, tmp_path):
-    """SIGTERM to the process group of a 2-process launch (as Slurm and Ctrl-C send it): both processes stop at
-    the same step, after a checkpoint; the launcher's exit status is not 0; the resumed run ends bit-equal to
-    the uninterrupted one."""
-    out = tmp_path / "signalled"
-    args = common + ["--train_batch_size", "2", "--output_dir", out]
-    status, log, _ = run_signalled(slow_launcher(tmp_path), args, out / "checkpoint-2", num_processes=2)
-    assert status != 0 and "Stopped at step " in log, log[-3000:]
-    stopped = int(log.split("Stopped at step ")[1].split(":")[0])
-    assert checkpoints(out)[-1] == f"checkpoint-{stopped}" and stopped < 6
-    run_script(SCRIPT, args + ["--resume_from_checkpoint", "latest"], num_processes=2)
-    assert_same_run(out, two_processes)
-
-
 def test_each_process_draws_its_own_noise(two_processes):
     """Seeded per process: the Diffusers text-to-image examples, given --seed, seed every process alike, so that
     every GPU adds the same ε to its images."""
@@ -406,17 +392,6 @@ def test_a_signal_at_any_moment_saves_and_the_resume_is_exact(moment, stop_args,
     assert_same_weights(weights(out / "unet"), weights(uninterrupted / "unet"))
     assert_same_ema(out / "checkpoint-10", uninterrupted / "checkpoint-10", "unet")
     assert_same_optimizer_state(out / "checkpoint-10", uninterrupted / "checkpoint-10")
-
-
-def test_sigterm_to_one_process_exits_75_after_a_checkpoint(stop_args, uninterrupted, tmp_path):
-    """The script run by `python` itself, SIGTERM to its process group: exit status 75, the checkpoint, the line
-    that says how to go on."""
-    out = tmp_path / "out"
-    status, log, _ = run_signalled(slow_launcher(tmp_path), stop_args + ["--output_dir", out], out / "checkpoint-5",
-                                   launcher=False)
-    assert status == 75 and "go on with --resume_from_checkpoint latest" in log, log[-3000:]
-    train_in_process(SCRIPT, stop_args + ["--output_dir", out, "--resume_from_checkpoint", "latest"])
-    assert_same_weights(weights(out / "unet"), weights(uninterrupted / "unet"))
 
 
 def test_a_diverged_loss_stops_the_run_before_a_checkpoint_keeps_it(stop_args, tmp_path, run_in_process,

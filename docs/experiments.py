@@ -6,6 +6,7 @@
     python docs/experiments.py text_to_image     # needs data/tiny-sd and the README's sd-digits
     python docs/experiments.py lora               # needs sd-digits
     python docs/experiments.py buckets            # needs data/tiny-sd; 2 runs, about 30 minutes
+    python docs/experiments.py held_out           # 1 run of 6,000 steps, 6 short ones: 28 minutes
 
 Each experiment is the README demo's command with one flag changed (and, for the first two
 guides, a third of the epochs, against a baseline of the same length); `buckets` is guide 4's
@@ -34,7 +35,9 @@ NAMES = "zero one two three four five six seven eight nine".split()
 
 
 def train(script, args, out):
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": str(os.cpu_count())}
+    # All the cores, unless OMP_NUM_THREADS says otherwise (1 on a machine shared with others).
+    threads = os.environ.get("OMP_NUM_THREADS") or str(os.cpu_count())
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": threads}
     subprocess.run([sys.executable, REPO / script, *map(str, args), "--output_dir", out], check=True, env=env,
                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     return out
@@ -261,9 +264,206 @@ def buckets(folder):
     (REPO / "docs" / "figures" / "bucket-pairs.json").write_text(json.dumps(results) + "\n")
 
 
+def ink(images):
+    """Samples (N, H, W, channels) in [0, 1] as the judge sees them: 8x8, the 0..16 ink scale."""
+    gray = torch.as_tensor(np.asarray(images), dtype=torch.float32).mean(-1)[:, None]
+    return torch.nn.functional.interpolate(gray, size=(8, 8), mode="area").flatten(1) * 16
+
+
+def tensorboard_scalars(run):
+    """Every scalar a run logged to TensorBoard under <run>/logs: {tag: {step: value}}."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    scalars = {}
+    for events in sorted(Path(run, "logs").glob("**/events.out.tfevents.*")):
+        accumulator = EventAccumulator(str(events))
+        accumulator.Reload()
+        for tag in accumulator.Tags()["scalars"]:
+            scalars.setdefault(tag, {}).update({e.step: e.value for e in accumulator.Scalars(tag)})
+    return scalars
+
+
+HELD_OUT_STEPS, HELD_OUT_EVERY, HELD_OUT_JUDGED = 6000, 250, [2000, 4000]
+
+
+def held_out(folder):
+    """Does the held-out loss pick the better checkpoint? train_unconditional.py without EMA on
+    100 digits (the first 10 of each), --validation_split 0.2 (80 train, 20 held out), for 6,000
+    steps (1,200 epochs) with a checkpoint and a held-out loss every 250. The checkpoint of the
+    lowest held-out loss, the last one and every 2,000th draw 200 DDIM samples each: the judge's
+    score, and how many copy a training picture (their nearest of the 1,797 real digits, at 8x8,
+    is one of the 80). Then the cost: the README demo's training for 500 steps (no sample grids)
+    with and without --validation_split 0.1, 3 times each, alternating. Writes
+    docs/figures/held-out.json for docs/make_figures.py and guide 2. 28 minutes in all (18 of them
+    training) with OMP_NUM_THREADS=1 on 2 cores that other work shared: there, 2 threads, the
+    default, ran 4.5 times slower than 1."""
+    import json
+    import resource
+    import shutil
+    import time
+
+    from diffusers import DDIMPipeline, DDIMScheduler, DDPMScheduler, UNet2DModel
+
+    from train_unconditional import load_train_dataset, parse_args
+
+    # The first 10 pictures of each digit, an imagefolder in data/digits' format.
+    subset, rows, per_digit = folder / "subset", [], {}
+    subset.mkdir()
+    for line in (DIGITS / "metadata.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        if per_digit.setdefault(row["label"], 0) < 10:
+            per_digit[row["label"]] += 1
+            rows.append(line + "\n")
+            shutil.copy(DIGITS / row["file_name"], subset)
+    (subset / "metadata.jsonl").write_text("".join(rows))
+    split = ["--train_data_dir", subset, "--validation_split", "0.2", "--seed", "0"]
+    # Which of the 1,797 digits trained: the script's own split (file NNNN.png is digit NNNN).
+    dataset = load_train_dataset(parse_args(list(map(str, split))), "image")
+    trained = [
+        int(Path(image["path"]).stem)
+        for image, held in zip(dataset["image"], dataset["held_out"])
+        if not held
+    ]
+    digits = real_digits()[0]
+    is_trained = torch.zeros(len(digits), dtype=torch.bool)
+    is_trained[trained] = True
+
+    def copies(points, itself=None):
+        """Share of points whose nearest real digit trained; mean distance to the nearest training
+        picture and to the nearest other digit (8x8 ink); itself: each real point's own index."""
+        distances = torch.cdist(points, digits)
+        if itself is not None:
+            distances[torch.arange(len(points)), itself] = float("inf")
+        to_trained = distances[:, is_trained].min(1).values
+        to_other = distances[:, ~is_trained].min(1).values
+        return {
+            "copies": (to_trained < to_other).float().mean().item(),
+            "to_trained": to_trained.mean().item(),
+            "to_other": to_other.mean().item(),
+        }
+
+    # The real digits that never trained: how often a new digit's nearest is one of the 80.
+    others = torch.nonzero(~is_trained).flatten()
+    results = {
+        "trained": len(trained),
+        "held_out": len(dataset) - len(trained),
+        "steps": HELD_OUT_STEPS,
+        "every": HELD_OUT_EVERY,
+        "real": copies(digits[others], itself=others),
+    }
+
+    unet_config = REPO / "configs" / "unet-digits"
+    flags = "--logger tensorboard --resolution 16 --train_batch_size 16 --learning_rate 1e-3"
+    flags += " --lr_warmup_steps 100"
+    flags += f" --max_train_steps {HELD_OUT_STEPS} --checkpointing_steps {HELD_OUT_EVERY}"
+    # No sample grids but the one the last epoch always draws, a small one.
+    flags += " --save_images_epochs 100000 --save_model_epochs 100000 --ddpm_num_inference_steps 10"
+    flags += " --eval_batch_size 4"
+    args = [*split, "--model_config_name_or_path", unet_config, *flags.split()]
+    start = time.perf_counter()
+    out = train("train_unconditional.py", args, folder / "run")
+    print(f"trained {HELD_OUT_STEPS} steps in {time.perf_counter() - start:.0f} s", flush=True)
+    scalars = tensorboard_scalars(out)
+    steps = sorted(scalars["val_loss"])
+    # The training loss of each checkpoint: the mean of the reads since the one before.
+    loss = scalars["loss"]
+    window = [
+        np.mean([v for s, v in loss.items() if step - HELD_OUT_EVERY < s <= step]) for step in steps
+    ]
+    results["curves"] = {
+        "step": steps,
+        "train_loss": window,
+        "val_loss": [scalars["val_loss"][s] for s in steps],
+        **{f"val_loss_t{q}": [scalars[f"val_loss_t{q}"][s] for s in steps] for q in range(4)},
+        "loss_steps": sorted(loss),
+        "loss": [loss[s] for s in sorted(loss)],
+    }
+    best = min(steps, key=scalars["val_loss"].get)
+    results["best"], results["last"] = best, steps[-1]
+    print(
+        f"lowest held-out loss {scalars['val_loss'][best]:.4f} at step {best}; "
+        f"{scalars['val_loss'][steps[-1]]:.4f} at the last, {steps[-1]}",
+        flush=True,
+    )
+
+    config = DDPMScheduler.from_pretrained(out, subfolder="scheduler").config
+    results["judged"] = {}
+    for step in sorted({best, steps[-1], *HELD_OUT_JUDGED}):
+        unet = UNet2DModel.from_pretrained(out / f"checkpoint-{step}" / "unet").eval()
+        sampler = DDIMPipeline(unet=unet, scheduler=DDIMScheduler.from_config(config))
+        sampler.set_progress_bar_config(disable=True)
+        images = sampler(
+            batch_size=200, num_inference_steps=50, generator=torch.manual_seed(0), output_type="np"
+        ).images
+        share, histogram, confidence = judge(images)
+        row = {
+            "step": step,
+            "val_loss": scalars["val_loss"][step],
+            "share": float(share),
+            "digits_seen": int((histogram > 0).sum()),
+            "confidence": float(confidence),
+            **copies(ink(images)),
+        }
+        # For the figure: the first 10 samples, and each one's nearest training picture.
+        nearest = torch.cdist(ink(images[:10]), digits[is_trained]).argmin(1)
+        row["samples"] = np.round(images[:10].mean(-1) * 255).astype(int).tolist()
+        row["nearest_trained"] = digits[is_trained][nearest].reshape(-1, 8, 8).int().tolist()
+        results["judged"][str(step)] = row
+        print(
+            f"step {step}: held-out loss {row['val_loss']:.4f}, {share:.0%} of 200 samples > 0.9 "
+            f"sure, digits seen {row['digits_seen']}/10, mean confidence {confidence:.2f}; "
+            f"{row['copies']:.0%} nearest to a training picture",
+            flush=True,
+        )
+
+    saved = REPO / "docs" / "figures" / "held-out.json"
+    saved.write_text(json.dumps(results, indent=1) + "\n")
+
+    # The cost: the README demo's training, 500 steps, without and with --validation_split 0.1.
+    flags = "--resolution 16 --train_batch_size 16 --learning_rate 1e-3 --lr_warmup_steps 100"
+    flags += " --use_ema --ema_max_decay 0.999 --max_train_steps 500"
+    # Its sample grids left out: none but the last epoch's, 1 picture in 1 step.
+    flags += " --save_images_epochs 100000 --ddpm_num_inference_steps 1 --eval_batch_size 1"
+    demo = ["--train_data_dir", DIGITS, "--model_config_name_or_path", unet_config, *flags.split()]
+    # Wall-clock seconds, and CPU seconds (less moved by whatever else shares the machine).
+    seconds = {"without": [], "with": []}
+    cpu = {"without": [], "with": []}
+    for i, name in enumerate(["without", "with"] * 3):
+        start, used = time.perf_counter(), resource.getrusage(resource.RUSAGE_CHILDREN)
+        held = ["--validation_split", "0.1"] if name == "with" else []
+        train("train_unconditional.py", demo + held, folder / f"cost-{i}")
+        now = resource.getrusage(resource.RUSAGE_CHILDREN)
+        seconds[name].append(time.perf_counter() - start)
+        cpu[name].append(now.ru_utime + now.ru_stime - used.ru_utime - used.ru_stime)
+    results["cost"] = {
+        "steps": 500,
+        "ratio": sum(seconds["with"]) / sum(seconds["without"]),
+        "cpu_ratio": sum(cpu["with"]) / sum(cpu["without"]),
+        "pairs": [w / o for o, w in zip(seconds["without"], seconds["with"])],
+        "cpu_pairs": [w / o for o, w in zip(cpu["without"], cpu["with"])],
+    }
+    print(
+        f"500 demo steps with --validation_split 0.1 take {results['cost']['ratio']:.3f}x the "
+        f"time without, {results['cost']['cpu_ratio']:.3f}x the CPU time ({results['cost']})",
+        flush=True,
+    )
+    saved.write_text(json.dumps(results, indent=1) + "\n")
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("guide", choices=["unconditional", "dit", "dit_objectives", "text_to_image", "lora", "buckets"])
+    parser.add_argument(
+        "guide",
+        choices=[
+            "unconditional",
+            "dit",
+            "dit_objectives",
+            "text_to_image",
+            "lora",
+            "buckets",
+            "held_out",
+        ],
+    )
     guide = parser.parse_args().guide
     with tempfile.TemporaryDirectory() as folder:
         globals()[guide](Path(folder))

@@ -35,7 +35,7 @@ SCHEDULES = {  # as diffusers' DDPMScheduler builds them: (beta_schedule, beta_s
 }
 FIGURES = ["forward-process.png", "schedules.png", "min-snr-weights.png", "loss-curves.png",
            "unconditional-over-training.png", "dit-over-training.png", "dit-guidance.png", "dit-objectives.png",
-           "tiny-vae.png", "buckets.png", "bucket-pairs.png",
+           "tiny-vae.png", "buckets.png", "bucket-pairs.png", "held-out.png",
            "text-to-image-over-training.png", "text-to-image-per-digit.png", "lora-before-after.png"]
 
 
@@ -316,6 +316,67 @@ def bucket_pairs(out):
     fig.savefig(out / "bucket-pairs.png", dpi=130, bbox_inches="tight")
 
 
+def held_out(out):
+    """Training and held-out loss of a run that overfits, the judge's score and the share of
+    copies at some checkpoints, and samples beside their nearest training picture:
+    docs/experiments.py held_out's numbers."""
+    import json
+
+    results = json.loads((REPO / "docs" / "figures" / "held-out.json").read_text())
+    curves, judged = results["curves"], results["judged"]
+    best, last = results["best"], results["last"]
+    val = dict(zip(curves["step"], curves["val_loss"]))
+    fig = plt.figure(figsize=(13, 7.2), layout="constrained")
+    top, bottom = fig.subfigures(2, 1, height_ratios=[1, 1.05])
+    axes = top.subplots(1, 3)
+    ax = axes[0]
+    ax.plot(curves["loss_steps"], curves["loss"], color="0.85", lw=0.5, label="loss (each read)")
+    ax.plot(curves["step"], curves["train_loss"], color="C0", label="loss, mean since last point")
+    ax.plot(curves["step"], curves["val_loss"], color="C1", marker=".", label="val_loss (held out)")
+    ax.plot([best], [val[best]], "o", ms=10, mfc="none", color="C3", label=f"lowest: step {best}")
+    ax.set(yscale="log", xlabel="step", title="training loss and held-out loss")
+    ax.legend(fontsize=7)
+    ax = axes[1]
+    quarters = ["t < 250 (low noise)", "250 ≤ t < 500", "500 ≤ t < 750", "t ≥ 750 (high noise)"]
+    for q, name in enumerate(quarters):
+        ax.plot(
+            curves["step"], curves[f"val_loss_t{q}"], marker=".", label=f"val_loss_t{q}: {name}"
+        )
+    ax.axvline(best, color="C3", lw=0.8, ls="--")
+    ax.set(yscale="log", xlabel="step", title="held-out loss by quarter of the schedule")
+    ax.legend(fontsize=7)
+    ax = axes[2]
+    rows = sorted(judged.values(), key=lambda r: r["step"])
+    steps = [r["step"] for r in rows]
+    ax.plot(steps, [r["share"] for r in rows], marker="o", label="judge: samples > 90 % sure")
+    ax.plot(steps, [r["copies"] for r in rows], marker="s", label="nearest digit is a training one")
+    ax.axhline(results["real"]["copies"], color="0.5", lw=0.8, label="the same, for real digits")
+    ax.axvline(best, color="C3", lw=0.8, ls="--")
+    ax.set(ylim=(0, 1), xlabel="checkpoint (step)", title="200 DDIM samples of some checkpoints")
+    ax.legend(fontsize=7)
+    pictures = bottom.subplots(4, 10)
+    for pair, step in enumerate([best, last]):
+        row = judged[str(step)]
+        labels = [f"step {step}\n{'lowest held-out' if step == best else 'last'}\nsamples",
+                  "nearest\ntraining\npicture"]  # fmt: skip
+        for line, (images, vmax) in enumerate(
+            [(row["samples"], 255), (row["nearest_trained"], 16)]
+        ):
+            for ax, image in zip(pictures[2 * pair + line], images):
+                ax.imshow(np.array(image), cmap="gray", vmin=0, vmax=vmax, interpolation="nearest")
+                ax.set_xticks([])
+                ax.set_yticks([])
+            pictures[2 * pair + line, 0].set_ylabel(labels[line], fontsize=7, rotation=0,
+                                                     ha="right", va="center")  # fmt: skip
+    caption(fig, "docs/experiments.py held_out: train_unconditional.py without EMA on 100 digits "
+                 f"(the first 10 of each), --validation_split 0.2 ({results['trained']} train, "
+                 f"{results['held_out']} held out), {results['steps']:,} steps, a checkpoint and "
+                 f"val_loss every {results['every']}; read from its TensorBoard logs. Samples: "
+                 "DDIM, 50 steps, seed 0, judged by the guides' SVC; 'nearest' at 8x8 among the "
+                 "1,797 real digits.")  # fmt: skip
+    fig.savefig(out / "held-out.png", dpi=130, bbox_inches="tight")
+
+
 def sd_pipeline(folder):
     """A saved StableDiffusionPipeline with DPM-Solver, as the scripts' validation samples."""
     from diffusers import DPMSolverMultistepScheduler, StableDiffusionPipeline
@@ -419,6 +480,7 @@ def main(argv=None):
         tiny_vae(runs, args.out)
         buckets(args.out)
         bucket_pairs(args.out)
+        held_out(args.out)
         grids_over_training(runs["text_to_image"], args.out, "text-to-image-over-training.png",
                             "train_text_to_image.py: 'a handwritten digit zero' ... 'nine', guidance 3")
         text_to_image_per_digit(runs, args.out)

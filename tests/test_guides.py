@@ -261,3 +261,60 @@ def test_guide_4s_and_the_readmes_bucket_shares_are_the_json_the_figure_reads():
     readme = " ".join((REPO / "README.md").read_text().split())
     both = f"{measured[1]} have the digit asked for on both sides after training with buckets, "
     assert both + f"{measured[3]} after training on square crops" in readme
+
+
+def test_guide_2s_held_out_numbers_are_the_json_the_figure_reads():
+    """docs/experiments.py held_out wrote docs/figures/held-out.json; guide 2's section "The
+    held-out loss" quotes its numbers, and docs/make_figures.py draws them."""
+    import json
+
+    results = json.loads((REPO / "docs" / "figures" / "held-out.json").read_text())
+    curves, judged, cost = results["curves"], results["judged"], results["cost"]
+    best, last = judged[str(results["best"])], judged[str(results["last"])]
+    at_best = curves["step"].index(results["best"])
+    guide = " ".join((REPO / "docs" / "2-unconditional.md").read_text().split())
+    text = guide[guide.index("## The held-out loss") : guide.index("## 6 and 9.")]
+
+    def loss(value):
+        return f"{value:.4f}"
+
+    def step(value):
+        return f"{value:,}"
+
+    stated = re.search(r"(\d+) trained and (\d+) held out, for ([\d,]+) steps", text).groups()
+    assert stated == (str(results["trained"]), str(results["held_out"]), step(results["steps"]))
+    assert f"a held-out loss every {results['every']} steps" in text
+    stated = re.search(r"to (\d+\.\d+) over the last (\d+) steps", text).groups()
+    assert stated == (loss(curves["train_loss"][-1]), str(results["every"]))
+    stated = re.search(
+        r"lowest at step ([\d,]+) \((\d+\.\d+)\), then climbs to (\d+\.\d+) at the last step, "
+        r"([\d,]+)",
+        text,
+    ).groups()
+    measured = (step(results["best"]), loss(best["val_loss"]), loss(last["val_loss"]))
+    assert stated == (*measured, step(results["last"]))
+    assert results["last"] == results["steps"] == curves["step"][-1]
+    assert min(curves["val_loss"]) == best["val_loss"] == curves["val_loss"][at_best]
+    stated = re.search(
+        r"`val_loss_t0` grows from (\d+\.\d+) to (\d+\.\d+) while `val_loss_t3` falls from "
+        r"(\d+\.\d+) to (\d+\.\d+)",
+        text,
+    ).groups()
+    t0, t3 = curves["val_loss_t0"], curves["val_loss_t3"]
+    assert stated == tuple(map(loss, (t0[at_best], t0[-1], t3[at_best], t3[-1])))
+    stated = re.search(
+        r"(\d+ %) are digits it is more than 90 % sure of at step ([\d,]+) and (\d+ %) at step "
+        r"([\d,]+)\. But (\d+ %) of the last checkpoint's samples .*? against (\d+ %) at step "
+        r"([\d,]+) and (\d+ %) for real digits",
+        text,
+    ).groups()
+    best_step, last_step = step(results["best"]), step(results["last"])
+    assert stated == (percent(best["share"]), best_step, percent(last["share"]), last_step,
+                      percent(last["copies"]), percent(best["copies"]), best_step,
+                      percent(results["real"]["copies"]))  # fmt: skip
+    # "By the judge's score, no", and the held-out loss's pick "copies least of the four sampled".
+    assert "By the judge's score, no" in text and best["share"] < last["share"]
+    assert "copies least of the four sampled" in text and len(judged) == 4
+    assert min(judged.values(), key=lambda row: row["copies"]) is best
+    assert re.search(r"took (\d+\.\d+)× the CPU time", text)[1] == f"{cost['cpu_ratio']:.2f}"
+    assert f"{cost['steps']} steps of the README's demo" in text

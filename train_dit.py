@@ -141,8 +141,6 @@ def parse_args(argv=None):
 def main(args):
     # 2. Accelerator, logging, seed. `accelerate launch` or `accelerate config` sets the devices,
     #    processes and precision: one file for a CPU, a GPU or many.
-    # Processes on CPUs talk over gloo, which DeepSpeed must be told.
-    gloo = "gloo" if "LOCAL_RANK" in os.environ and not torch.accelerator.is_available() else None
     accelerator = Accelerator(
         gradient_accumulation_steps=args.gradient_accumulation_steps,
         mixed_precision=args.mixed_precision,
@@ -154,8 +152,7 @@ def main(args):
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=args.seed),
         # The loop steps the LR schedule once per optimizer step.
         step_scheduler_with_optimizer=False,
-        # The others wait up to 2 h while the main process validates.
-        kwargs_handlers=[InitProcessGroupKwargs(backend=gloo, timeout=timedelta(hours=2))],
+        kwargs_handlers=[process_group_kwargs()],
     )
     # The model without its DDP, DeepSpeed or torch.compile wrapper.
     unwrap = partial(accelerator.unwrap_model, keep_torch_compile=False)
@@ -163,8 +160,10 @@ def main(args):
         raise SystemExit("error: --mixed_precision fp16 needs a GPU; on a CPU use bf16 or no")
     if args.use_8bit_adam and accelerator.device.type == "mps":
         raise SystemExit("error: --use_8bit_adam: bitsandbytes has no 8-bit AdamW for Apple's MPS")
-    plugin = accelerator.state.deepspeed_plugin
-    if accelerator.distributed_type == DistributedType.FSDP or (plugin and plugin.zero_stage == 3):
+    deepspeed_plugin = accelerator.state.deepspeed_plugin
+    if accelerator.distributed_type == DistributedType.FSDP or (
+        deepspeed_plugin and deepspeed_plugin.zero_stage == 3
+    ):
         raise SystemExit("error: launch with DDP or DeepSpeed ZeRO-1/2, not FSDP or ZeRO-3")
     logging.basicConfig(level=logging.INFO)
     # SIGTERM (a scheduler's notice) or SIGINT (Ctrl-C) before the first step ends the run at once.
@@ -506,6 +505,13 @@ def main(args):
     if accelerator.is_main_process:
         Path(args.output_dir, "stopped").unlink(missing_ok=True)
     accelerator.end_training()
+
+
+def process_group_kwargs():
+    """The others wait up to 2 h while the main process validates. Processes on CPUs talk over
+    gloo, which accelerate chooses for DDP but does not tell DeepSpeed."""
+    cpus = "LOCAL_RANK" in os.environ and not torch.accelerator.is_available()
+    return InitProcessGroupKwargs(backend="gloo" if cpus else None, timeout=timedelta(hours=2))
 
 
 @contextmanager

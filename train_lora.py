@@ -161,8 +161,6 @@ def parse_args(argv=None):
 def main(args):
     # 2. Accelerator, logging, seed. `accelerate launch` or `accelerate config` sets the devices,
     #    processes and precision: one file for a CPU, a GPU or many.
-    # Processes on CPUs talk over gloo, which DeepSpeed must be told.
-    gloo = "gloo" if "LOCAL_RANK" in os.environ and not torch.accelerator.is_available() else None
     accelerator = Accelerator(
         gradient_accumulation_steps=args.gradient_accumulation_steps,
         mixed_precision=args.mixed_precision,
@@ -174,8 +172,7 @@ def main(args):
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=args.seed),
         # The loop steps the LR schedule once per optimizer step.
         step_scheduler_with_optimizer=False,
-        # The others wait up to 2 h while the main process validates.
-        kwargs_handlers=[InitProcessGroupKwargs(backend=gloo, timeout=timedelta(hours=2))],
+        kwargs_handlers=[process_group_kwargs()],
     )
     # The model without its DDP, DeepSpeed or torch.compile wrapper.
     unwrap = partial(accelerator.unwrap_model, keep_torch_compile=False)
@@ -183,12 +180,14 @@ def main(args):
         raise SystemExit("error: --mixed_precision fp16 needs a GPU; on a CPU use bf16 or no")
     if args.use_8bit_adam and accelerator.device.type == "mps":
         raise SystemExit("error: --use_8bit_adam: bitsandbytes has no 8-bit AdamW for Apple's MPS")
-    plugin = accelerator.state.deepspeed_plugin
-    if accelerator.distributed_type == DistributedType.FSDP or (plugin and plugin.zero_stage == 3):
+    deepspeed_plugin = accelerator.state.deepspeed_plugin
+    if accelerator.distributed_type == DistributedType.FSDP or (
+        deepspeed_plugin and deepspeed_plugin.zero_stage == 3
+    ):
         why = "they split the frozen UNet, whose LoRA layers this script reads whole"
         raise SystemExit(f"error: launch with DDP or DeepSpeed ZeRO-1/2, not FSDP or ZeRO-3: {why}")
     # accelerate hands DeepSpeed one model.
-    if plugin and args.train_text_encoder:
+    if deepspeed_plugin and args.train_text_encoder:
         raise SystemExit("error: --train_text_encoder needs DDP, not DeepSpeed")
     logging.basicConfig(level=logging.INFO)
     # SIGTERM (a scheduler's notice) or SIGINT (Ctrl-C) before the first step ends the run at once.
@@ -245,12 +244,6 @@ def main(args):
     # A and B in fp32: fp16 gradients could not be unscaled, bf16 updates of 1e-4 would round away.
     cast_training_params(trained, dtype=torch.float32)
     lora_params = [p for m in trained for p in m.parameters() if p.requires_grad]
-    # Under bf16 the UNet computes with bf16 copies of A and B (fp32 ones cost casts at every
-    # adapted layer) and the optimizer updates fp32 masters, as DeepSpeed does by itself.
-    master_params = lora_params
-    if weight_dtype == torch.bfloat16 and not plugin:
-        master_params = [p.detach().clone() for p in lora_params]
-        cast_training_params(trained, dtype=weight_dtype)
     if args.gradient_checkpointing:
         unet.enable_gradient_checkpointing()
     # Only a text encoder that learns runs backward; transformers checkpoints in training mode.
@@ -260,7 +253,7 @@ def main(args):
     ema_model = None
     # An EMA of A and B alone.
     if args.use_ema:
-        ema_model = EMAModel(master_params)
+        ema_model = EMAModel(lora_params)
 
     # 4. Data: images resized, cropped, flipped, scaled to [-1, 1]; captions tokenized
     train_dataset = load_train_dataset(args, args.image_column)
@@ -361,6 +354,12 @@ def main(args):
         import bitsandbytes
 
         optimizer_class = bitsandbytes.optim.AdamW8bit
+    # Under bf16 the UNet computes with bf16 copies of A and B (fp32 ones cost casts at every
+    # adapted layer) and the optimizer updates fp32 masters, as DeepSpeed does by itself.
+    master_params = lora_params
+    if weight_dtype == torch.bfloat16 and not deepspeed_plugin:
+        master_params = [p.detach().clone() for p in lora_params]
+        cast_training_params(trained, dtype=weight_dtype)
     optimizer = optimizer_class(
         master_params,
         lr=args.learning_rate,
@@ -368,15 +367,15 @@ def main(args):
         weight_decay=args.adam_weight_decay,
         eps=args.adam_epsilon,
     )
-    steps_per_epoch = math.ceil(len(train_dataloader) / accelerator.num_processes / accumulation)
-    max_train_steps = args.max_train_steps or args.num_train_epochs * steps_per_epoch
-    num_epochs = math.ceil(max_train_steps / steps_per_epoch)
-    # Under bf16, before each step a hook copies the gradients of the bf16 copies into the fp32
-    # masters; after it, another copies the updated masters into the copies.
+    # Before each step a hook copies the gradients of the bf16 copies into the fp32 masters; after
+    # it, another copies the updated masters into the copies.
     if master_params is not lora_params:
         grads = [torch.zeros_like(p) for p in master_params]
         optimizer.register_step_pre_hook(partial(to_masters, lora_params, master_params, grads))
         optimizer.register_step_post_hook(partial(to_copies, lora_params, master_params))
+    steps_per_epoch = math.ceil(len(train_dataloader) / accelerator.num_processes / accumulation)
+    max_train_steps = args.max_train_steps or args.num_train_epochs * steps_per_epoch
+    num_epochs = math.ceil(max_train_steps / steps_per_epoch)
     lr_scheduler = get_scheduler(
         args.lr_scheduler,
         optimizer,
@@ -384,8 +383,8 @@ def main(args):
         num_training_steps=max_train_steps,
     )
     # DeepSpeed's "auto" micro-batch is read from the DataLoader, which buckets leave without one.
-    if plugin is not None and plugin.is_auto("train_micro_batch_size_per_gpu"):
-        plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = args.train_batch_size
+    if deepspeed_plugin is not None and deepspeed_plugin.is_auto("train_micro_batch_size_per_gpu"):
+        deepspeed_plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = args.train_batch_size
     unet, optimizer, train_dataloader, lr_scheduler = accelerator.prepare(
         unet, optimizer, train_dataloader, lr_scheduler
     )
@@ -582,10 +581,9 @@ def main(args):
     if accelerator.is_main_process:
         if ema_model is not None:
             ema_model.copy_to(master_params)
-        # Under bf16 the files take the fp32 masters, not the UNet's bf16 copies.
-        if master_params is not lora_params:
-            for p, master in zip(lora_params, master_params):
-                p.data = master
+        # The files take the masters: under bf16 the fp32 ones, not the UNet's bf16 copies.
+        for p, master in zip(lora_params, master_params):
+            p.data = master.data
         # The UNet's LoRA, and the text encoder's if it learns.
         save_lora(args.output_dir, *trained)
         save_kohya(args)
@@ -604,6 +602,13 @@ def main(args):
     if accelerator.is_main_process:
         Path(args.output_dir, "stopped").unlink(missing_ok=True)
     accelerator.end_training()
+
+
+def process_group_kwargs():
+    """The others wait up to 2 h while the main process validates. Processes on CPUs talk over
+    gloo, which accelerate chooses for DDP but does not tell DeepSpeed."""
+    cpus = "LOCAL_RANK" in os.environ and not torch.accelerator.is_available()
+    return InitProcessGroupKwargs(backend="gloo" if cpus else None, timeout=timedelta(hours=2))
 
 
 @contextmanager

@@ -170,8 +170,6 @@ def parse_args(argv=None):
 def main(args):
     # 2. Accelerator, logging, seed. `accelerate launch` or `accelerate config` sets the devices,
     #    processes and precision: one file for a CPU, a GPU or many.
-    # Processes on CPUs talk over gloo, which DeepSpeed must be told.
-    gloo = "gloo" if "LOCAL_RANK" in os.environ and not torch.accelerator.is_available() else None
     accelerator = Accelerator(
         gradient_accumulation_steps=args.gradient_accumulation_steps,
         mixed_precision=args.mixed_precision,
@@ -183,8 +181,7 @@ def main(args):
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=args.seed),
         # The loop steps the LR schedule once per optimizer step.
         step_scheduler_with_optimizer=False,
-        # The others wait up to 2 h while the main process validates.
-        kwargs_handlers=[InitProcessGroupKwargs(backend=gloo, timeout=timedelta(hours=2))],
+        kwargs_handlers=[process_group_kwargs()],
     )
     # The model without its DDP, DeepSpeed or torch.compile wrapper.
     unwrap = partial(accelerator.unwrap_model, keep_torch_compile=False)
@@ -192,13 +189,13 @@ def main(args):
         raise SystemExit("error: --mixed_precision fp16 needs a GPU; on a CPU use bf16 or no")
     if args.use_8bit_adam and accelerator.device.type == "mps":
         raise SystemExit("error: --use_8bit_adam: bitsandbytes has no 8-bit AdamW for Apple's MPS")
-    plugin = accelerator.state.deepspeed_plugin
+    deepspeed_plugin = accelerator.state.deepspeed_plugin
     # ZeRO-3 splits the UNet's weights, its gradients and its optimizer state over the processes.
-    sharded = plugin is not None and plugin.zero_stage == 3
+    sharded = deepspeed_plugin is not None and deepspeed_plugin.zero_stage == 3
     if accelerator.distributed_type == DistributedType.FSDP:
         raise SystemExit("error: launch with DDP or DeepSpeed, not FSDP")
     held_out_flag = args.validation_split or args.validation_data_dir
-    if sharded and (args.use_ema or held_out_flag or not plugin.zero3_save_16bit_model):
+    if sharded and (args.use_ema or held_out_flag or not deepspeed_plugin.zero3_save_16bit_model):
         raise SystemExit(
             "error: ZeRO-3 needs --zero3_save_16bit_model true, no --use_ema, no held-out loss"
         )
@@ -368,8 +365,8 @@ def main(args):
         num_training_steps=max_train_steps,
     )
     # DeepSpeed's "auto" micro-batch is read from the DataLoader, which buckets leave without one.
-    if plugin is not None and plugin.is_auto("train_micro_batch_size_per_gpu"):
-        plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = args.train_batch_size
+    if deepspeed_plugin is not None and deepspeed_plugin.is_auto("train_micro_batch_size_per_gpu"):
+        deepspeed_plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = args.train_batch_size
     unet, optimizer, train_dataloader, lr_scheduler = accelerator.prepare(
         unet, optimizer, train_dataloader, lr_scheduler
     )
@@ -593,6 +590,13 @@ def main(args):
     if accelerator.is_main_process:
         Path(args.output_dir, "stopped").unlink(missing_ok=True)
     accelerator.end_training()
+
+
+def process_group_kwargs():
+    """The others wait up to 2 h while the main process validates. Processes on CPUs talk over
+    gloo, which accelerate chooses for DDP but does not tell DeepSpeed."""
+    cpus = "LOCAL_RANK" in os.environ and not torch.accelerator.is_available()
+    return InitProcessGroupKwargs(backend="gloo" if cpus else None, timeout=timedelta(hours=2))
 
 
 @contextmanager

@@ -358,7 +358,8 @@ def main(args):
     # adapted layer) and the optimizer updates fp32 masters, as DeepSpeed does by itself.
     master_params = lora_params
     if weight_dtype == torch.bfloat16 and not deepspeed_plugin:
-        master_params = [p.detach().clone() for p in lora_params]
+        # requires_grad: EMAModel.step averages only such weights (it copies the others).
+        master_params = [p.detach().clone().requires_grad_() for p in lora_params]
         cast_training_params(trained, dtype=weight_dtype)
     optimizer = optimizer_class(
         master_params,
@@ -581,7 +582,7 @@ def main(args):
     if accelerator.is_main_process:
         if ema_model is not None:
             ema_model.copy_to(master_params)
-        # The files take the masters: under bf16 the fp32 ones, not the UNet's bf16 copies.
+        # The files take the masters: under bf16 (without DeepSpeed) the fp32 ones, not the copies.
         for p, master in zip(lora_params, master_params):
             p.data = master.data
         # The UNet's LoRA, and the text encoder's if it learns.

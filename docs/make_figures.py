@@ -138,7 +138,7 @@ def grids_over_training(run, out, name, title, crop=None):
     fig.savefig(out / name, dpi=130, bbox_inches="tight")
 
 
-def dit_guidance(runs, out):
+def dit_guidance(runs, out, steps=50):
     sys.path.insert(0, str(REPO))
     from diffusers import DDIMScheduler, DiTTransformer2DModel
     from train_dit import sample_images
@@ -148,13 +148,13 @@ def dit_guidance(runs, out):
     labels = torch.arange(10).repeat_interleave(4)
     fig, axes = plt.subplots(1, 4, figsize=(8, 5.2))
     for ax, scale in zip(axes, [1, 2, 4, 7]):
-        images = sample_images(model, scheduler, labels, scale, 50, generator=torch.manual_seed(0))
+        images = sample_images(model, scheduler, labels, scale, steps, generator=torch.manual_seed(0))
         # A row per class, 4 samples each: (class, sample, channel, y, x) -> (class·y, sample·x, channel).
         grid = images.view(10, 4, 3, *images.shape[2:]).permute(0, 3, 1, 4, 2).flatten(2, 3).flatten(0, 1)
         ax.imshow(grid.numpy(), interpolation="nearest")
         ax.set_title(f"guidance s = {scale}", fontsize=9)
         ax.axis("off")
-    caption(fig, f"train_dit.sample_images on {runs['dit'].name} (EMA weights), DDIM 50 steps, the same noise in "
+    caption(fig, f"train_dit.sample_images on {runs['dit'].name} (EMA weights), DDIM {steps} steps, the same noise in "
                  "every panel; rows: the classes 0-9 asked for.")
     fig.savefig(out / "dit-guidance.png", dpi=130, bbox_inches="tight")
 
@@ -475,7 +475,8 @@ def main(argv=None):
                             "train_unconditional.py: 64 samples from the same noise, DDPM (Algorithm 2)")
         grids_over_training(runs["dit"], args.out, "dit-over-training.png",
                             "train_dit.py: a row per class 0-9, guidance 4, DDIM")
-        dit_guidance(runs, args.out)
+        # --short: a few sampling steps of the short run's model.
+        dit_guidance(runs, args.out, steps=5 if args.short else 50)
         dit_objectives(args.out)
         tiny_vae(runs, args.out)
         buckets(args.out)

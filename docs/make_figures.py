@@ -437,7 +437,7 @@ def short_runs(folder):
          "--ddpm_num_inference_steps", "2", "--eval_batch_size", "4", "--output_dir", folder / "ddpm-digits"],
         [*python, REPO / "train_dit.py", "--train_data_dir", DIGITS, "--resolution", "16",
          "--model_config_name_or_path", REPO / "configs" / "dit-digits", "--max_train_steps", "4",
-         "--num_inference_steps", "2", "--eval_batch_size", "1", "--output_dir", folder / "dit-digits"],
+         "--use_ema", "--num_inference_steps", "2", "--eval_batch_size", "1", "--output_dir", folder / "dit-digits"],
         [*python, REPO / "data" / "make_tiny_sd.py", "--vae_steps", "5", "--output_dir", tiny],
         [*python, REPO / "train_text_to_image.py", "--pretrained_model_name_or_path", tiny, "--resolution", "16",
          "--train_data_dir", DIGITS, "--max_train_steps", "4", "--train_batch_size", "32",
@@ -447,8 +447,14 @@ def short_runs(folder):
          "--train_batch_size", "32", "--validation_prompts", PROMPTS[0], "--num_inference_steps", "2",
          "--num_validation_images", "1", "--output_dir", folder / "bold-lora"],
     ]
-    for command in commands:
-        subprocess.run([str(c) for c in command], check=True, capture_output=True)
+    # The first three need nothing of each other: they run side by side.
+    for group in commands[:3], commands[3:4], commands[4:]:
+        running = [subprocess.Popen([str(c) for c in command], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+                   for command in group]
+        for process, command in zip(running, group):
+            output = process.communicate()[0].decode()
+            if process.returncode:
+                raise SystemExit(f"error: {Path(command[1]).name} failed:\n{output[-3000:]}")
     return {"unconditional": folder / "ddpm-digits", "dit": folder / "dit-digits", "tiny_sd": tiny,
             "text_to_image": folder / "sd-digits", "lora": folder / "bold-lora"}
 

@@ -186,7 +186,7 @@ def test_buckets_denoise_whole_pictures_better_than_square_crops(base, tmp_path)
     captions = [row["text"] for row in rows]
     demo = ["--pretrained_model_name_or_path", base, "--train_data_dir", tmp_path / "pairs" / "train",
             "--resolution", "16", "--train_batch_size", "32", "--learning_rate", "1e-3", "--lr_scheduler", "cosine",
-            "--lr_warmup_steps", "100", "--caption_dropout_rate", "0.1", "--max_train_steps", "400"]
+            "--lr_warmup_steps", "100", "--caption_dropout_rate", "0.1", "--max_train_steps", "250"]
     loss = {}
     for name, change in {"square crops": [], "buckets": ["--aspect_ratio_buckets", "16,32"]}.items():
         out = tmp_path / name.replace(" ", "-")

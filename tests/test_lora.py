@@ -127,18 +127,28 @@ def test_both_files_draw_what_the_fused_weights_draw(reference, tiny_sd_path):
     assert abs(draw(pipeline(tiny_sd_path)) - fused).max() > 1e-2  # the LoRA changes what is drawn
 
 
+# Two processes combined with bf16 (fp32 masters and their EMA), accumulation and DataLoader workers.
+TWO_PROCESSES = ["--train_batch_size", "2", "--mixed_precision", "bf16", "--gradient_accumulation_steps", "2",
+                 "--dataloader_num_workers", "2"]
+
+
 @pytest.fixture(scope="module")
 def two_processes(tmp_path_factory, common):
     out = tmp_path_factory.mktemp("lora2") / "ref"
-    run_script(SCRIPT, common + ["--output_dir", out, "--train_batch_size", "2"], num_processes=2)
+    run_script(SCRIPT, common + TWO_PROCESSES + ["--output_dir", out], num_processes=2)
     return out
 
 
 def test_resume_on_two_processes_is_exact(two_processes, common):
     out = resume_copy(two_processes, "checkpoint-4")
-    run_script(SCRIPT, common + ["--output_dir", out, "--train_batch_size", "2", "--resume_from_checkpoint", "latest"],
+    run_script(SCRIPT, common + TWO_PROCESSES + ["--output_dir", out, "--resume_from_checkpoint", "latest"],
                num_processes=2)
     assert_same_run(out, two_processes)
+    # The fp32 masters (custom_checkpoint_0) and their EMA (custom_checkpoint_1).
+    masters, masters_ref = (torch.load(d / "checkpoint-6" / "custom_checkpoint_0.pkl") for d in (out, two_processes))
+    assert_same_weights(masters, masters_ref)
+    ema, ema_ref = (torch.load(d / "checkpoint-6" / "custom_checkpoint_1.pkl") for d in (out, two_processes))
+    assert all(torch.equal(a, b) for a, b in zip(ema["shadow_params"], ema_ref["shadow_params"], strict=True))
 
 
 def test_deepspeed_zero2_stores_no_frozen_weights_and_resumes_exactly(common, tmp_path):

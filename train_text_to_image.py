@@ -11,14 +11,17 @@ caption into the states c that the UNet reads through cross-attention, so the UN
 """
 
 import argparse
+import atexit
 import logging
 import math
+import multiprocessing
 import os
 import re
 import shlex
 import shutil
 import signal
 import sys
+import textwrap
 import time
 import warnings
 from collections import Counter
@@ -41,7 +44,6 @@ from diffusers import StableDiffusionPipeline, UNet2DConditionModel
 from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
 from diffusers.optimization import get_scheduler
 from diffusers.training_utils import EMAModel, compute_snr, parse_buckets_string
-from diffusers.utils.hub_utils import populate_model_card
 from huggingface_hub import ModelCard, ModelCardData, create_repo, upload_folder
 from PIL import Image
 from torch.utils.data import default_collate
@@ -67,19 +69,19 @@ def parse_args(argv=None):
     p.add_argument("--caption_column", default="text", help="The captions' column (or lists).")
     p.add_argument("--caption_extension", default=".txt", help="Caption files beside images.")
     p.add_argument("--instance_prompt", help="One caption for every image, over any other.")
-    p.add_argument("--caption_dropout_rate", type=float, default=0.0, help="Empty-caption share.")
-    p.add_argument("--max_train_samples", type=int, help="Train on N random images.")
+    p.add_argument(
+        "--caption_dropout_rate", type=fraction, default=0.0, help="Share of empty captions."
+    )
+    p.add_argument("--max_train_samples", type=count, help="Train on N random images.")
     p.add_argument("--cache_dir", help="Where downloads are cached (default: the HF cache).")
     p.add_argument("--validation_prompts", "--validation_prompt", nargs="+", help="Sample prompts.")
-    p.add_argument("--validation_epochs", type=int, default=5, help="Validate every N epochs.")
+    p.add_argument("--validation_epochs", type=count, default=5, help="Validate every N epochs.")
     p.add_argument("--guidance_scale", type=float, default=7.5, help="Validation's guidance scale.")
-    p.add_argument("--num_inference_steps", type=int, default=20, help="Sampler steps to validate.")
+    p.add_argument("--num_inference_steps", type=count, default=20, help="Steps to sample.")
     p.add_argument("--output_dir", default="sd-model-finetuned", help="Where outputs go.")
     p.add_argument("--seed", type=int, default=0, help="Seeds weights, data order, noise.")
-    p.add_argument("--resolution", type=int, default=512, help="Image side after resize and crop.")
-    p.add_argument(
-        "--aspect_ratio_buckets", help='"h,w;h,w;..." or "auto": the nearest aspect ratio.'
-    )
+    p.add_argument("--resolution", type=count, default=512, help="Image side, resized.")
+    p.add_argument("--aspect_ratio_buckets", help='"h,w;h,w;..." or "auto".')
     p.add_argument(
         "--image_interpolation_mode",
         default="lanczos",
@@ -89,22 +91,22 @@ def parse_args(argv=None):
     p.add_argument("--center_crop", action="store_true", help="Center crop; default: random.")
     p.add_argument("--random_flip", action="store_true", help="Flip half the images left-right.")
     p.add_argument("--cache_latents", action="store_true", help="Encode each image once, up front.")
-    p.add_argument("--train_batch_size", type=int, default=16, help="Images per process per pass.")
-    p.add_argument("--dataloader_num_workers", type=int, default=0, help="Loading processes.")
-    p.add_argument("--num_train_epochs", type=int, default=100, help="Passes over the data.")
-    p.add_argument("--max_train_steps", type=int, help="Steps to train; overrides the epochs.")
-    p.add_argument("--gradient_accumulation_steps", type=int, default=1, help="Batches per step.")
+    p.add_argument("--train_batch_size", type=count, default=16, help="Per process, pass.")
+    p.add_argument("--dataloader_num_workers", type=count_or_0, default=0, help="Loaders.")
+    p.add_argument("--num_train_epochs", type=count, default=100, help="Passes over the data.")
+    p.add_argument("--max_train_steps", type=count, help="Steps to train; overrides the epochs.")
+    p.add_argument("--gradient_accumulation_steps", type=count, default=1, help="Batches per step.")
     p.add_argument("--gradient_checkpointing", action="store_true", help="Less memory, slower.")
-    p.add_argument("--learning_rate", type=float, default=1e-4, help="AdamW's LR after warm-up.")
+    p.add_argument("--learning_rate", type=at_least_0, default=1e-4, help="AdamW's LR.")
     p.add_argument("--scale_lr", action="store_true", help="LR × total batch size.")
     p.add_argument("--lr_scheduler", default="constant", help="constant, linear, cosine, ...")
-    p.add_argument("--lr_warmup_steps", type=int, default=500, help="Steps of linear LR warm-up.")
-    p.add_argument("--adam_beta1", type=float, default=0.9, help="AdamW's β1 (momentum).")
-    p.add_argument("--adam_beta2", type=float, default=0.999, help="AdamW's β2 (second moment).")
-    p.add_argument("--adam_weight_decay", type=float, default=1e-2, help="AdamW's weight decay.")
-    p.add_argument("--adam_epsilon", type=float, default=1e-08, help="AdamW's ε.")
+    p.add_argument("--lr_warmup_steps", type=count_or_0, default=500, help="LR warm-up.")
+    p.add_argument("--adam_beta1", type=fraction, default=0.9, help="AdamW's β1 (momentum).")
+    p.add_argument("--adam_beta2", type=fraction, default=0.999, help="AdamW's β2 (second moment).")
+    p.add_argument("--adam_weight_decay", type=at_least_0, default=1e-2, help="Weight decay.")
+    p.add_argument("--adam_epsilon", type=at_least_0, default=1e-08, help="AdamW's ε.")
     p.add_argument("--use_8bit_adam", action="store_true", help="bitsandbytes' 8-bit AdamW.")
-    p.add_argument("--max_grad_norm", type=float, default=1.0, help="Clip gradients to this norm.")
+    p.add_argument("--max_grad_norm", type=at_least_0, default=1.0, help="Clip gradients to this.")
     p.add_argument("--use_ema", action="store_true", help="Save and sample an EMA of the weights.")
     p.add_argument("--offload_ema", action="store_true", help="Ignored: memory only.")
     p.add_argument("--foreach_ema", action="store_true", help="Multi-tensor EMA updates.")
@@ -114,32 +116,22 @@ def parse_args(argv=None):
     p.add_argument("--mixed_precision", choices=["no", "fp16", "bf16"], help="fp16/bf16 autocast.")
     p.add_argument("--allow_tf32", action="store_true", help="TF32 matmuls on Ampere+: faster.")
     p.add_argument(
-        "--enable_xformers_memory_efficient_attention", action="store_true", help="Ignored: SDPA."
+        "--enable_xformers_memory_efficient_attention", action="store_true", help="Ignored."
     )
     p.add_argument("--prediction_type", choices=["epsilon", "v_prediction"], help="Target: ε or v.")
-    p.add_argument("--snr_gamma", type=float, help="Min-SNR-γ's γ (the paper: 5.0); default: off.")
+    p.add_argument("--snr_gamma", type=at_least_0, help="Min-SNR-γ's γ (paper: 5.0); default off.")
+    p.add_argument("--noise_offset", type=at_least_0, default=0.0, help="Shift ε per channel.")
     p.add_argument(
-        "--noise_offset",
-        type=float,
-        default=0.0,
-        help="Scale of a noise shift per channel: dark/light images.",
-    )
-    p.add_argument(
-        "--input_perturbation",
-        type=float,
-        default=0.0,
-        help="γ of extra noise γ·ξ in z_t, not in the target (0.1).",
+        "--input_perturbation", type=at_least_0, default=0.0, help="γ of noise in z_t only."
     )
     p.add_argument("--dream_training", action="store_true", help="Left out: a new objective.")
-    p.add_argument(
-        "--dream_detail_preservation", type=float, help="Ignored: only --dream_training reads it."
-    )
-    p.add_argument("--checkpointing_steps", type=int, default=500, help="Checkpoint every N steps.")
-    p.add_argument("--checkpoints_total_limit", type=int, help="Keep the newest N; default: all.")
+    p.add_argument("--dream_detail_preservation", type=float, help="Ignored.")
+    p.add_argument("--checkpointing_steps", type=count, default=500, help="Checkpoint every N.")
+    p.add_argument("--checkpoints_total_limit", type=count, help="Keep the newest N; default: all.")
     held_out = p.add_mutually_exclusive_group()
-    held_out.add_argument("--validation_split", type=float, help="Hold out this share of pictures.")
+    held_out.add_argument("--validation_split", type=fraction, help="Hold out this share; 0: none.")
     held_out.add_argument("--validation_data_dir", help="Held-out pictures: a folder of them.")
-    p.add_argument("--validate_every_n_steps", type=int, help="Held-out loss every N steps.")
+    p.add_argument("--validate_every_n_steps", type=count, help="Held-out loss every N steps.")
     p.add_argument("--resume_from_checkpoint", help='checkpoint-N in --output_dir, or "latest".')
     p.add_argument("--push_to_hub", action="store_true", help="Upload to the Hub; log in first.")
     p.add_argument("--hub_model_id", help="The Hub repo; default: --output_dir's name.")
@@ -159,11 +151,7 @@ def parse_args(argv=None):
         "offload_ema": "memory only; the EMA stays on the device",
         "dream_detail_preservation": "only --dream_training reads it, which is left out",
     }
-    for flag, value in vars(args).items():
-        if value and flag in refused:
-            p.error(f"--{flag} is left out: {refused[flag]}")
-        if value and flag in ignored:
-            print(f"note: --{flag} is ignored: {ignored[flag]}")
+    check_args(p, args, refused, ignored)
     return args
 
 
@@ -185,26 +173,17 @@ def main(args):
     )
     # The model without its DDP, DeepSpeed or torch.compile wrapper.
     unwrap = partial(accelerator.unwrap_model, keep_torch_compile=False)
-    if accelerator.mixed_precision == "fp16" and accelerator.device.type == "cpu":
-        raise SystemExit("error: --mixed_precision fp16 needs a GPU; on a CPU use bf16 or no")
-    if args.use_8bit_adam and accelerator.device.type == "mps":
-        raise SystemExit("error: --use_8bit_adam: bitsandbytes has no 8-bit AdamW for Apple's MPS")
     deepspeed_plugin = accelerator.state.deepspeed_plugin
     # ZeRO-3 splits the UNet's weights, its gradients and its optimizer state over the processes.
     sharded = deepspeed_plugin is not None and deepspeed_plugin.zero_stage == 3
-    if accelerator.distributed_type == DistributedType.FSDP:
-        raise SystemExit("error: launch with DDP or DeepSpeed, not FSDP")
     held_out_flag = args.validation_split or args.validation_data_dir
     if sharded and (args.use_ema or held_out_flag or not deepspeed_plugin.zero3_save_16bit_model):
         raise SystemExit(
             "error: ZeRO-3 needs --zero3_save_16bit_model true, no --use_ema, no held-out loss"
         )
     logging.basicConfig(level=logging.INFO)
-    # SIGTERM (a scheduler's notice) or SIGINT (Ctrl-C) before the first step ends the run at once.
-    handle_signals(accelerator, args, at_once=True)
-    # The file that said an earlier run was stopped (see stop_run).
-    if accelerator.is_main_process:
-        Path(args.output_dir, "stopped").unlink(missing_ok=True)
+    # What a real launch needs beside the lesson: see "Running for real" at the end of the file.
+    start_run(accelerator, args)
     # The same initial weights on every process.
     set_seed(args.seed)
     torch.backends.cuda.matmul.allow_tf32 = args.allow_tf32
@@ -249,15 +228,18 @@ def main(args):
     if args.use_ema:
         ema_model = EMAModel(unet.parameters(), foreach=args.foreach_ema)
 
-    # 4. Data: images resized, cropped, flipped, scaled to [-1, 1]; captions tokenized
-    train_dataset = load_train_dataset(args, args.image_column)
-    if args.instance_prompt is None and args.caption_column not in train_dataset.column_names:
+    # 4. Data: images resized, cropped, flipped, scaled to [-1, 1]; captions tokenized; the
+    #    held-out ones apart
+    # The main process writes the datasets' cache files; the others then read them.
+    with accelerator.main_process_first():
+        splits = load_datasets(args, args.image_column)
+    if args.instance_prompt is None and args.caption_column not in splits["train"].column_names:
         # kohya's layout: a caption file beside each image (0001.png, 0001.txt).
         read = partial(read_caption, args=args)
         way_out = "give --instance_prompt (one prompt for all) or a caption file beside each image"
         with as_one_line(f"no column {args.caption_column!r} (--caption_column); {way_out}"):
-            train_dataset = train_dataset.map(read, input_columns=args.image_column)
-    warn_of_long_captions(args, train_dataset, tokenizer)
+            splits = splits.map(read, input_columns=args.image_column)
+    warn_of_long_captions(args, splits["train"], tokenizer)
     # Aspect-ratio buckets: each image trains at the size (height, width) of the bucket nearest its
     # aspect ratio, so that a portrait or a panorama is not cut to a square.
     # Latents are 2^(VAE blocks - 1) times smaller than the images.
@@ -268,37 +250,39 @@ def main(args):
         step = factor * 2 ** (len(unet.config.block_out_channels) - 1)
         bucket_sizes = parse_buckets(args, step)
         with accelerator.main_process_first():
-            nearest = partial(nearest_bucket, bucket_sizes=bucket_sizes)
-            train_dataset = train_dataset.map(nearest, input_columns=args.image_column)
-        counts = sorted(Counter(train_dataset["bucket"]).items())
+            splits = splits.map(
+                partial(nearest_bucket, bucket_sizes=bucket_sizes), input_columns=args.image_column
+            )
+        counts = sorted(Counter(splits["train"]["bucket"]).items())
         logger.info(
             f"Images per bucket (height, width): { {bucket_sizes[b]: n for b, n in counts} }"
         )
-    else:
-        train_dataset = train_dataset.add_column("bucket", [0] * len(train_dataset))
     # Pixels in [0, 1] become (x - 0.5) / 0.5, in [-1, 1]; cover_and_crop resizes and crops each
     # image first, and preprocess flips it.
     to_tensor = transforms.Compose([transforms.ToTensor(), transforms.Normalize([0.5], [0.5])])
     # --cache_latents: the frozen VAE encodes each image once, here, not in every epoch.
     if args.cache_latents:
+        encode = partial(
+            encode_latents, args=args, to_tensor=to_tensor, bucket_sizes=bucket_sizes, vae=vae
+        )
         # datasets cannot fingerprint the VAE itself: the cache is named by what makes the latents.
         made_by = [base_path, args.revision, args.variant, vae.dtype, bucket_sizes]
         made_by += [args.image_interpolation_mode, args.random_flip]
         # The main process writes the cache; the others then read its files.
         with accelerator.main_process_first():
-            train_dataset = train_dataset.map(
-                partial(
-                    encode_latents,
-                    args=args,
-                    to_tensor=to_tensor,
-                    bucket_sizes=bucket_sizes,
-                    vae=vae,
-                ),
-                batched=True,
-                batch_size=args.train_batch_size,
-                remove_columns=args.image_column,
-                new_fingerprint=Hasher.hash([train_dataset._fingerprint, *made_by]),
-            )
+            for name, split in splits.items():
+                splits[name] = split.map(
+                    encode,
+                    batched=True,
+                    batch_size=args.train_batch_size,
+                    remove_columns=args.image_column,
+                    new_fingerprint=Hasher.hash([split._fingerprint, *made_by]),
+                )
+    train_dataset, held_out = splits["train"], splits.get("validation")
+    if args.max_train_samples is not None:
+        count = min(args.max_train_samples, len(train_dataset))
+        train_dataset = train_dataset.shuffle(seed=args.seed, keep_in_memory=True)
+        train_dataset = train_dataset.select(range(count))
     # A cached latent's shape in each bucket: its μ and log σ², channel after channel.
     channels = 2 * vae.config.latent_channels
     latent_shapes = [
@@ -312,17 +296,9 @@ def main(args):
         bucket_sizes=bucket_sizes,
         latent_shapes=latent_shapes,
     )
-    # The held-out pictures never train; they keep epoch 0's crops and flips.
-    held = train_dataset["held_out"]
-    held_out = train_dataset.select([i for i, h in enumerate(held) if h], keep_in_memory=True)
-    train_dataset = train_dataset.select(
-        [i for i, h in enumerate(held) if not h], keep_in_memory=True
-    )
-    if args.max_train_samples is not None:
-        count = min(args.max_train_samples, len(train_dataset))
-        train_dataset = train_dataset.shuffle(seed=args.seed, keep_in_memory=True)
-        train_dataset = train_dataset.select(range(count))
-    held_out.set_transform(partial(transform, epoch=0))
+    # The held-out pictures keep epoch 0's crops and flips.
+    if held_out:
+        held_out.set_transform(partial(transform, epoch=0))
     # Its own generator, not the global RNG: see preprocess.
     generator = torch.Generator().manual_seed(args.seed)
     loader_args = dict(batch_size=args.train_batch_size, shuffle=True)
@@ -403,38 +379,49 @@ def main(args):
     accelerator.init_trackers(args.tracker_project_name, config=hparams)
 
     # 7. The training loop: Algorithm 1 of DDPM on latents, conditioned on the captions
+    T = noise_scheduler.config.num_train_timesteps
+
+    def diffusion_loss(unet, latents, noise, timesteps, encoder_hidden_states, perturbation=0):
+        """Each image's loss for given ε and t: the loop's, and section 8's held-out loss."""
+        # z_t = √ᾱ_t·z_0 + √(1-ᾱ_t)·ε: the forward process in closed form (DDPM, eq. 4). Input
+        # perturbation (Ning et al. 2023) makes z_t of ε + γ·ξ, a little more noise than ε says.
+        noisy_latents = noise_scheduler.add_noise(latents, noise + perturbation, timesteps)
+        # The target: ε, or v = √ᾱ_t·ε - √(1-ᾱ_t)·z_0 (Salimans & Ho 2022).
+        if noise_scheduler.config.prediction_type == "epsilon":
+            target = noise
+        else:
+            target = noise_scheduler.get_velocity(latents, noise, timesteps)
+        # The model's prediction of the target, ε_θ(z_t, t, c) for ε. Its input is cast to the
+        # mixed-precision dtype, as DeepSpeed keeps the model's weights in that dtype.
+        inputs = noisy_latents.to(weight_dtype)
+        model_output = unet(inputs, timesteps, encoder_hidden_states).sample
+        # ‖target - prediction‖²: the simple loss (DDPM eq. 14), per image for Min-SNR-γ.
+        loss = F.mse_loss(model_output.float(), target.float(), reduction="none")
+        loss = loss.mean(dim=[1, 2, 3])
+        if args.snr_gamma is not None:
+            loss = loss * min_snr_weights(noise_scheduler, timesteps, args.snr_gamma)
+        return loss
+
+    # Section 8's loss of a held-out picture, at t = fraction·T with the generator's ε (without
+    # --noise_offset and --input_perturbation, which add noise of their own).
+    def held_out_loss(batch, generator, fraction):
+        # The VAE posterior's mean, not a sample: the same latent each time.
+        latents = sample_latents(vae, batch, args, mean=True)
+        encoder_hidden_states = unwrap(text_encoder)(batch["input_ids"])[0]
+        noise = torch.randn(latents.shape, generator=generator).to(accelerator.device)
+        timesteps = torch.tensor([int(fraction * T)], device=accelerator.device)
+        return diffusion_loss(unwrap(unet), latents, noise, timesteps, encoder_hidden_states)
+
+    total_batch_size = args.train_batch_size * accelerator.num_processes * accumulation
     logger.info(f"{len(train_dataset)} images, {max_train_steps} steps of {total_batch_size}")
     progress_bar = tqdm(
         range(max_train_steps), initial=global_step, disable=not accelerator.is_local_main_process
     )
     # From now on a signal saves a checkpoint first.
     handle_signals(accelerator, args, at_once=False)
-
-    # One held-out picture's loss for section 8, as the loop takes it (without --noise_offset
-    # and --input_perturbation, which add noise of their own), at t = fraction·T.
-    def picture_loss(batch, generator, fraction):
-        # The VAE posterior's mean, not a sample: the same latent each time.
-        latents = sample_latents(vae, batch, args, mean=True)
-        encoder_hidden_states = unwrap(text_encoder)(batch["input_ids"])[0]
-        noise = torch.randn(latents.shape, generator=generator).to(accelerator.device)
-        T = noise_scheduler.config.num_train_timesteps
-        timesteps = torch.tensor([int(fraction * T)], device=accelerator.device)
-        noisy_latents = noise_scheduler.add_noise(latents, noise, timesteps)
-        if noise_scheduler.config.prediction_type == "epsilon":
-            target = noise
-        else:
-            target = noise_scheduler.get_velocity(latents, noise, timesteps)
-        inputs = noisy_latents.to(weight_dtype)
-        model_output = unwrap(unet)(inputs, timesteps, encoder_hidden_states).sample
-        loss = F.mse_loss(model_output.float(), target.float())
-        if args.snr_gamma is not None:
-            loss = loss * min_snr_weights(noise_scheduler, timesteps, args.snr_gamma)
-        return loss.item()
-
     # The loss is summed on the device, read every 10 steps: a read makes the CPU wait.
     train_loss = 0.0
     logged_step = global_step
-    stopped = False
     # The last held-out loss, shown beside the training loss.
     shown = {}
     for epoch in range(first_epoch, num_epochs):
@@ -463,30 +450,16 @@ def main(args):
                 if args.noise_offset:
                     noise += args.noise_offset * torch.randn(*noise.shape[:2], 1, 1, device=device)
                 # t ~ U{0, ..., T-1}: a timestep per image.
-                T = noise_scheduler.config.num_train_timesteps
                 timesteps = torch.randint(0, T, (bsz,), device=device)
-                # z_t = √ᾱ_t·z_0 + √(1-ᾱ_t)·ε: the forward process in closed form (DDPM, eq. 4).
-                noisy_latents = noise_scheduler.add_noise(latents, noise, timesteps)
+                # Input perturbation's γ·ξ, ξ ~ N(0, I).
+                perturbation = 0
                 if args.input_perturbation:
-                    # Input perturbation (Ning et al. 2023): z_t is made from ε + γ·ξ, a little
-                    # more noise than the target ε says.
-                    perturbed = noise + args.input_perturbation * torch.randn_like(noise)
-                    noisy_latents = noise_scheduler.add_noise(latents, perturbed, timesteps)
-                # The target: ε, or v = √ᾱ_t·ε - √(1-ᾱ_t)·z_0 (Salimans & Ho 2022).
-                if noise_scheduler.config.prediction_type == "epsilon":
-                    target = noise
-                else:
-                    target = noise_scheduler.get_velocity(latents, noise, timesteps)
-                # The model's prediction of the target, ε_θ(z_t, t, c) for ε. Its input is cast to
-                # the mixed-precision dtype, as DeepSpeed keeps the model's weights in that dtype.
-                noisy_latents = noisy_latents.to(weight_dtype)
-                model_output = unet(noisy_latents, timesteps, encoder_hidden_states).sample
-                # ‖target - prediction‖²: the simple loss (DDPM eq. 14), per image for Min-SNR-γ.
-                loss = F.mse_loss(model_output.float(), target.float(), reduction="none")
-                loss = loss.mean(dim=[1, 2, 3])
-                if args.snr_gamma is not None:
-                    loss = loss * min_snr_weights(noise_scheduler, timesteps, args.snr_gamma)
-                loss = loss.mean()
+                    perturbation = args.input_perturbation * torch.randn_like(noise)
+                # z_t, the target, the prediction, ‖target - prediction‖²: over the batch.
+                losses = diffusion_loss(
+                    unet, latents, noise, timesteps, encoder_hidden_states, perturbation
+                )
+                loss = losses.mean()
                 # ∇_θ of the loss, averaged over processes; clipped once every micro-batch is in.
                 accelerator.backward(loss)
                 if accelerator.sync_gradients:
@@ -495,68 +468,64 @@ def main(args):
                 optimizer.step()
                 optimizer.zero_grad()
                 train_loss += loss.detach() / accumulation
+            # The rest runs once per optimizer step.
+            if not accelerator.sync_gradients:
+                continue
+            lr_scheduler.step()
+            if ema_model is not None:
+                ema_model.step(unet.parameters())
+            global_step += 1
+            progress_bar.update(1)
+            save = global_step % args.checkpointing_steps == 0
+            last_step = global_step >= max_train_steps
+            epoch_end = global_step % steps_per_epoch == 0 or last_step
+            # Read before anything is saved: a checkpoint, at an epoch's end, at the last step.
+            read = global_step % 10 == 0 or save or epoch_end
+            if read:
+                # The mean loss of the steps since the last read, over every process.
+                mean_loss = accelerator.reduce(train_loss, "mean").item() / (
+                    global_step - logged_step
+                )
+                logs = {"loss": mean_loss, "lr": lr_scheduler.get_last_lr()[0]}
+                progress_bar.set_postfix(**logs, **shown)
+                accelerator.log(logs, step=global_step)
+                train_loss = 0.0
+                logged_step = global_step
+                # Diverged: stop before a checkpoint keeps the weights of a loss of inf or NaN.
+                if not math.isfinite(mean_loss):
+                    raise SystemExit(
+                        f"error: the loss is {mean_loss} at step {global_step}; resume from a "
+                        "checkpoint before it with a lower --learning_rate, or bf16 for fp16"
+                    )
 
-            # An optimizer step happened.
-            if accelerator.sync_gradients:
-                lr_scheduler.step()
-                if ema_model is not None:
-                    ema_model.step(unet.parameters())
-                global_step += 1
-                progress_bar.update(1)
-                save = global_step % args.checkpointing_steps == 0
-                # Read before anything is saved: a checkpoint, at an epoch's end, at the last step.
-                end = global_step % steps_per_epoch == 0 or global_step >= max_train_steps
-                if global_step % 10 == 0 or save or end:
-                    # The mean loss of the steps since the last read, over every process.
-                    steps = global_step - logged_step
-                    mean_loss = accelerator.reduce(train_loss, "mean").item() / steps
-                    logs = {"loss": mean_loss, "lr": lr_scheduler.get_last_lr()[0]}
-                    progress_bar.set_postfix(**logs, **shown)
-                    accelerator.log(logs, step=global_step)
-                    train_loss = 0.0
-                    logged_step = global_step
-                    # Diverged: stop before a checkpoint keeps the weights of a loss of inf or NaN.
-                    if not math.isfinite(mean_loss):
-                        raise SystemExit(
-                            f"error: the loss is {mean_loss} at step {global_step}; resume from a "
-                            "checkpoint before it with a lower --learning_rate, or bf16 for fp16"
-                        )
-                    # A signal to any process stops them all here, at the same step.
-                    stopped = accelerator.check_trigger()
-                if save or stopped:
-                    save_checkpoint(accelerator, args, global_step)
-                if stopped:
-                    stop_run(accelerator, args, f"Stopped at step {global_step}")
-                # The held-out loss, every --validate_every_n_steps (or checkpoint); the last in 9.
-                every = args.validate_every_n_steps or args.checkpointing_steps
-                if len(held_out) and global_step % every == 0 and global_step < max_train_steps:
-                    with ema_weights(ema_model, unet.parameters()):
-                        shown = log_held_out_loss(
-                            accelerator, held_out, picture_loss, unet, global_step
-                        )
-
-        # 8. Validation: the prompts from fixed noise, with the EMA weights if any
-        last_epoch = epoch == num_epochs - 1 or global_step >= max_train_steps
-        validate = args.validation_prompts and (epoch % args.validation_epochs == 0 or last_epoch)
-        # Under ZeRO-3 every process runs the UNet, of which each holds a part.
-        if validate and (accelerator.is_main_process or sharded):
-            # The base pipeline holds the very modules that train: no second copy, none cast.
-            base.scheduler = DPMSolverMultistepScheduler.from_config(noise_scheduler.config)
-            log_validation(accelerator, args, base, ema_model, global_step)
-        # A signal during validation stops the run here, with a checkpoint (the loop's, if any).
-        if accelerator.check_trigger():
-            if global_step % args.checkpointing_steps:
+            # 8. Validation, with the EMA weights if any: the held-out loss every
+            #    --validate_every_n_steps (the last one in 9), the prompts at an epoch's end
+            validate_every = args.validate_every_n_steps or args.checkpointing_steps
+            held_out_due = held_out and global_step % validate_every == 0 and not last_step
+            if held_out_due:
+                with ema_weights(ema_model, unet.parameters()):
+                    shown = log_held_out_loss(
+                        accelerator, held_out, held_out_loss, unet, global_step
+                    )
+            last_epoch = epoch == num_epochs - 1 or last_step
+            due = epoch_end and (epoch % args.validation_epochs == 0 or last_epoch)
+            # Under ZeRO-3 every process runs the UNet, of which each holds a part.
+            if args.validation_prompts and due and (accelerator.is_main_process or sharded):
+                # The base pipeline holds the very modules that train: no second copy, none cast.
+                base.scheduler = DPMSolverMultistepScheduler.from_config(noise_scheduler.config)
+                log_validation(accelerator, args, base, ema_model, global_step)
+            # A signal to any process stops them all at the same step, after validation.
+            if (read or held_out_due) and stop_requested(accelerator):
+                stop_run(accelerator, args, f"Stopped at step {global_step}", global_step)
+            if save:
                 save_checkpoint(accelerator, args, global_step)
-            stop_run(accelerator, args, f"Stopped at step {global_step}")
-        if last_epoch:
-            break
 
     # 9. Final save: the whole pipeline, the frozen parts as they are on disk, the UNet with the
     #    EMA weights if any
     # The held-out loss of the weights saved, on every process (also after a resume at the end).
-    if len(held_out):
+    if held_out:
         with ema_weights(ema_model, unet.parameters()):
-            shown = log_held_out_loss(accelerator, held_out, picture_loss, unet, global_step)
+            shown = log_held_out_loss(accelerator, held_out, held_out_loss, unet, global_step)
     # On every process: under ZeRO-3 each sends its part of the weights.
     unet_weights = accelerator.get_state_dict(unet)
     if accelerator.is_main_process:
@@ -578,124 +547,67 @@ def main(args):
         logger.info(f"Saved to {args.output_dir}")
         prompt = (args.validation_prompts or ["a photo"])[0]
         where = repo.repo_id if args.push_to_hub else args.output_dir
-        usage = f"pipeline = StableDiffusionPipeline.from_pretrained({where!r})\n"
-        usage += f"image = pipeline({prompt!r}).images[0]"
+        usage = "from diffusers import StableDiffusionPipeline\n\n"
+        usage += f"pipeline = StableDiffusionPipeline.from_pretrained({where!r})\n"
+        usage += f"pipeline({prompt!r}).images[0].save('sample.png')"
         tags = ["stable-diffusion", "text-to-image"]
-        save_model_card(args, base_path, tags, usage, shown)
+        save_model_card(accelerator, args, base_path, tags, usage, shown)
         if args.push_to_hub:
             upload_folder(
                 repo_id=repo.repo_id, folder_path=args.output_dir, ignore_patterns="*checkpoint*"
             )
-    # Finished, even if a signal came during the final save: nothing to requeue.
-    if accelerator.is_main_process:
-        Path(args.output_dir, "stopped").unlink(missing_ok=True)
-    accelerator.end_training()
+    end_run(accelerator, args)
 
 
-def process_group_kwargs():
-    """The others wait up to 2 h while the main process validates. Processes on CPUs talk over
-    gloo, which accelerate chooses for DDP but does not tell DeepSpeed."""
-    cpus = "LOCAL_RANK" in os.environ and not torch.accelerator.is_available()
-    return InitProcessGroupKwargs(backend="gloo" if cpus else None, timeout=timedelta(hours=2))
-
-
-@contextmanager
-def as_one_line(flag):
-    """A library's error, re-raised as one line that names the flag or file it came from."""
-    try:
-        yield
-    except Exception as e:
-        raise SystemExit(f"error: {flag}: {type(e).__name__}: {' '.join(str(e).split())}") from None
-
-
-def handle_signals(accelerator, args, at_once):
-    """SIGTERM (a scheduler's notice), SIGINT (Ctrl-C): at_once, before the first step, the run
-    ends; later the first asks the loop to save and stop (set_trigger), a second ends the run."""
-    received = []
-
-    def handler(signum, frame):
-        # Slurm signals every process, which torchrun signals again: a repeat within 1 s.
-        if not received or time.monotonic() - received[-1] > 1:
-            received.append(time.monotonic())
-            why = f"Stopped by {signal.Signals(signum).name}"
-            # Now: a launcher may kill the processes before their checkpoint is whole.
-            write_stopped(accelerator, args, why)
-            if at_once or len(received) > 1:
-                stop_run(accelerator, args, why)
-            accelerator.set_trigger()
-
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, handler)
-
-
-def ignore_signals(worker_id):
-    """A DataLoader worker leaves the group's signals to the main process, which saves first."""
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-
-
-def write_stopped(accelerator, args, why):
-    """The file `stopped` in --output_dir, which a scheduler tests for: `accelerate launch` turns
-    the script's status 75 into 1."""
-    if accelerator.is_main_process:
-        os.makedirs(args.output_dir, exist_ok=True)
-        Path(args.output_dir, "stopped").write_text(why)
-
-
-def stop_run(accelerator, args, why):
-    """Exit 75 (EX_TEMPFAIL, "try again later"); the file `stopped` says why."""
-    write_stopped(accelerator, args, why)
-    logger.info(f"{why}: go on with --resume_from_checkpoint latest")
-    raise SystemExit(75)
-
-
-def load_train_dataset(args, *columns):
-    """A hub dataset or an imagefolder, then --validation_data_dir's pictures; a "row" column that
-    seeds each picture's crop and flip, and a "held_out" one: the pictures that never train (a
-    seeded --validation_split of them, or the folder's)."""
-    name = args.dataset_name
-    files = None
-    flag = f"--dataset_name {name}"
-    # Without --dataset_name: an imagefolder of every image under --train_data_dir.
-    if name is None:
-        name = "imagefolder"
-        files = os.path.join(args.train_data_dir, "**")
-        flag = f"--train_data_dir {args.train_data_dir}"
-    with as_one_line(flag):
-        dataset = datasets.load_dataset(
-            name, args.dataset_config_name, data_files=files, cache_dir=args.cache_dir
-        )
-        dataset = dataset["train"]
-    held_out = [False] * len(dataset)
-    if args.validation_data_dir:
-        folder = args.validation_data_dir
-        train, held = (Path(d or ".").resolve() for d in (args.train_data_dir, folder))
-        # A folder inside the other would train on held-out pictures.
-        if args.train_data_dir and (held.is_relative_to(train) or train.is_relative_to(held)):
-            raise SystemExit(
-                "error: --validation_data_dir: give a folder apart from the training one"
+def load_datasets(args, *columns):
+    """The pictures: "train" (a Hub dataset or an imagefolder) and, to hold out, "validation": a
+    seeded --validation_split of them, or --validation_data_dir's, which never train. A "row"
+    column seeds each picture's crop and flip."""
+    if args.dataset_name:
+        with as_one_line(f"--dataset_name {args.dataset_name}"):
+            dataset = datasets.load_dataset(
+                args.dataset_name, args.dataset_config_name, cache_dir=args.cache_dir, split="train"
             )
-        with as_one_line(f"--validation_data_dir {args.validation_data_dir}"):
-            pictures = datasets.load_dataset("imagefolder", data_files=f"{held}/**")["train"]
-            if sorted(pictures.column_names) != sorted(dataset.column_names):
-                raise ValueError(f"columns {pictures.column_names}, not {dataset.column_names}")
-            dataset = datasets.concatenate_datasets([dataset, pictures])
-        held_out += [True] * len(pictures)
-    elif args.validation_split:
-        # The same pictures on every process and at every resume.
-        order = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(args.seed))
-        for i in order[: max(0, round(args.validation_split * len(dataset)))]:
-            held_out[i] = True
-    if (args.validation_split or args.validation_data_dir) and not 0 < sum(held_out) < len(dataset):
-        flag = "--validation_data_dir" if args.validation_data_dir else "--validation_split"
-        raise SystemExit(f"error: {flag}: no picture would be held out, or none would train")
+    else:
+        dataset = load_imagefolder("--train_data_dir", args.train_data_dir, args.cache_dir)
     for column in columns:
         if column not in dataset.column_names:
             raise SystemExit(f"error: no column {column!r}; the dataset has {dataset.column_names}")
     # Decoded by open_image, so that a file that cannot be read is named.
     dataset = dataset.cast_column(args.image_column, datasets.Image(decode=False))
-    dataset = dataset.add_column("row", range(len(dataset)))
-    return dataset.add_column("held_out", held_out)
+    splits = datasets.DatasetDict(train=dataset.add_column("row", range(len(dataset))))
+    if args.validation_split:
+        # The same pictures on every process and at every resume.
+        with as_one_line("--validation_split"):
+            split = splits["train"].train_test_split(args.validation_split, seed=args.seed)
+        splits = datasets.DatasetDict(train=split["train"], validation=split["test"])
+    elif args.validation_data_dir:
+        held_out = load_imagefolder(
+            "--validation_data_dir", args.validation_data_dir, args.cache_dir
+        )
+        with as_one_line("--validation_data_dir: the training set's columns"):
+            held_out = held_out.add_column("row", range(len(held_out)))
+            splits["validation"] = held_out.cast(splits["train"].features)
+        # A picture in both would train.
+        paths = [
+            {os.path.realpath(x["path"]) for x in d[args.image_column]} for d in splits.values()
+        ]
+        if paths[0] & paths[1]:
+            raise SystemExit(
+                f"error: --validation_data_dir: {min(paths[0] & paths[1])} also trains"
+            )
+    return splits
+
+
+def load_imagefolder(flag, folder, cache_dir):
+    """Every picture under `folder`, with a metadata.jsonl's columns if it has one."""
+    extensions = datasets.packaged_modules.imagefolder.ImageFolder.EXTENSIONS
+    if not any(path.suffix.lower() in extensions for path in Path(folder).rglob("*")):
+        raise SystemExit(f"error: {flag} {folder}: no pictures in it")
+    with as_one_line(f"{flag} {folder}"):
+        return datasets.load_dataset(
+            "imagefolder", data_files=f"{folder}/**", cache_dir=cache_dir, split="train"
+        )
 
 
 def read_caption(item, args):
@@ -809,7 +721,9 @@ def encode_latents(examples, args, to_tensor, bucket_sizes, vae):
     """Each image's VAE posterior, mean and log-variance, of both sides if flipping: each step
     still draws its own latent z_0 = μ + σ·n. Raw float32 bytes, fast to read."""
     latent_moments = []
-    for item, bucket in zip(examples[args.image_column], examples["bucket"]):
+    # Without --aspect_ratio_buckets, one bucket: the square.
+    buckets = examples["bucket"] if args.aspect_ratio_buckets else [0] * len(examples["row"])
+    for item, bucket in zip(examples[args.image_column], buckets):
         image = cover_and_crop(open_image(item), bucket_sizes[bucket], args)
         pixels = to_tensor(image)[None].to(vae.device, vae.dtype)
         sides = torch.cat([pixels, pixels.flip(-1)] if args.random_flip else [pixels])
@@ -831,7 +745,7 @@ def preprocess(examples, args, to_tensor, tokenizer, bucket_sizes, latent_shapes
             torch.default_generator.manual_seed(seed % 2**32)
             # Drawn only with --random_flip: without it, the crop's draws stay the same.
             flip = args.random_flip and bool(torch.rand(()) < 0.5)
-            bucket = examples["bucket"][i]
+            bucket = examples["bucket"][i] if args.aspect_ratio_buckets else 0
             # The moments of both sides are cached: the flip picks one.
             if args.cache_latents:
                 data = bytearray(examples["latent_moments"][i])
@@ -922,21 +836,22 @@ def min_snr_weights(noise_scheduler, timesteps, snr_gamma):
     return snr.clamp(max=snr_gamma) / divisors[noise_scheduler.config.prediction_type]
 
 
-def log_held_out_loss(accelerator, held_out, picture_loss, model, global_step):
+def log_held_out_loss(accelerator, held_out, held_out_loss, model, global_step):
     """The loss on the held-out pictures: val_loss, and val_loss_t0 to t3 over the quarters of the
     schedule, low noise to high (val_loss is their mean weighted by their counts). The same for the
     same weights on any number of processes: picture k of n gets t = (k + ½)·T/n and an ε seeded
-    by k (picture_loss); process p takes k = p, p + P, ..., gathered back in order."""
+    by k, whichever process takes it; gather_object puts the processes' shares back in order."""
     n = len(held_out)
+    losses = []
     # No dropout.
     model.eval()
-    with torch.no_grad():
-        losses = []
-        for k in range(accelerator.process_index, n, accelerator.num_processes):
+    with torch.no_grad(), accelerator.split_between_processes(list(range(n))) as share:
+        for k in share:
             batch = send_to_device(default_collate([held_out[k]]), accelerator.device)
-            losses.append((k, picture_loss(batch, torch.Generator().manual_seed(k), (k + 0.5) / n)))
+            generator = torch.Generator().manual_seed(k)
+            losses.append(held_out_loss(batch, generator, (k + 0.5) / n).item())
     model.train()
-    losses = [loss for _, loss in sorted(gather_object(losses))]
+    losses = gather_object(losses)
     logs = {"val_loss": sum(losses) / n}
     quarters = [int(4 * (k + 0.5) / n) for k in range(n)]
     for q in sorted(set(quarters)):
@@ -988,25 +903,6 @@ def generate(accelerator, args, pipeline, **kwargs):
         ).images.float()
 
 
-def save_model_card(args, base_model, tags, usage, shown):
-    """README.md in --output_dir, as the Diffusers examples write it for the Hub: the base model,
-    how to load the weights, the held-out loss of the saved ones, the command. (diffusers'
-    load_or_create_model_card reads the Hub first, which has no local folder.)"""
-    loss = f"{shown['val_loss']:.4f}" if shown else "not measured (no --validation_split)"
-    flags = shlex.join(sys.argv)
-    text = (
-        f"# {os.path.basename(os.path.abspath(args.output_dir))}\n\n"
-        f"{f'Fine-tuned from {base_model}' if base_model else 'Trained from scratch'} by "
-        f"`{os.path.basename(sys.argv[0])}`. Held-out loss of these weights: {loss}.\n\n"
-        f"```python\n{usage}\n```\n\n## Training\n\n```\n{flags}\n```\n"
-    )
-    # The Hub checks the header, where base_model must name a model of the Hub, not a folder.
-    hub_model = None if base_model is None or os.path.isdir(base_model) else base_model
-    card_data = ModelCardData(base_model=hub_model)
-    card = populate_model_card(ModelCard(f"---\n{card_data.to_yaml()}\n---\n{text}"), tags)
-    card.save(f"{args.output_dir}/README.md")
-
-
 def save_grid(accelerator, args, images, global_step, nrow):
     """The images as one grid: output_dir/samples/step-N.png, and in TensorBoard or wandb."""
     os.makedirs(f"{args.output_dir}/samples", exist_ok=True)
@@ -1014,6 +910,161 @@ def save_grid(accelerator, args, images, global_step, nrow):
     torchvision.utils.save_image(images, grid, nrow=nrow)
     for tracker in accelerator.trackers:
         tracker.log_images({"samples": images}, step=global_step)
+
+
+def save_model_card(accelerator, args, base_model, tags, usage, shown):
+    """README.md in --output_dir, as the Diffusers examples write one for the Hub: the base model,
+    how to load the weights (lines that run as pasted), their held-out loss, the launch and the
+    command. Code is indented, not fenced: a prompt cannot end the block. A README.md that is not
+    a card of these scripts is kept."""
+    path = Path(args.output_dir, "README.md")
+    if path.exists() and "Held-out loss of these weights" not in path.read_text(errors="replace"):
+        return logger.warning(f"{path} is not a model card of ours: kept, no card written")
+    loss = f"{shown['val_loss']:.4f}" if shown else "not measured (no held-out pictures)"
+    origin = f"Fine-tuned from {base_model}" if base_model else "Trained from scratch"
+    text = (
+        f"# {os.path.basename(os.path.abspath(args.output_dir))}\n\n{origin} by "
+        f"`{os.path.basename(sys.argv[0])}`. Held-out loss of these weights: {loss}.\n\n"
+        f"{textwrap.indent(usage, '    ')}\n\n## Training\n\n"
+        f"{textwrap.indent(str(accelerator.state), '    ')}\n"
+        f"{textwrap.indent(shlex.join(sys.argv), '    ')}\n"
+    )
+    # The Hub checks the header, where base_model must name a model of the Hub, not a folder.
+    hub_model = None if base_model is None or os.path.isdir(base_model) else base_model
+    card_data = ModelCardData(library_name="diffusers", tags=tags, base_model=hub_model)
+    ModelCard(f"---\n{card_data.to_yaml()}\n---\n{text}").save(path)
+
+
+# ------------------------------------------------------------------------------------------------
+# Running for real: bad input in one line, signals, the file `stopped`, processes that end. None
+# of it is diffusion; docs/reference.md ("Running for real") says what each part is for.
+
+
+def check_args(p, args, refused, ignored):
+    """Flags left out stop, ignored ones say so; flags that cannot go together stop."""
+    for flag, value in vars(args).items():
+        if value and flag in refused:
+            p.error(f"--{flag} is left out: {refused[flag]}")
+        if value and flag in ignored:
+            print(f"note: --{flag} is ignored: {ignored[flag]}")
+    if args.validate_every_n_steps and not (args.validation_split or args.validation_data_dir):
+        p.error("--validate_every_n_steps needs --validation_split or --validation_data_dir")
+    if os.path.isfile(args.output_dir):
+        p.error(f"--output_dir {args.output_dir} is a file")
+
+
+def count(text, least=1):
+    """argparse's type for a count: a whole number, `least` or more."""
+    if int(text) < least:
+        raise ValueError
+    return int(text)
+
+
+def count_or_0(text):
+    return count(text, least=0)
+
+
+def fraction(text, most=1):
+    """argparse's type for a share: a number from 0 to `most` (NaN is none of them)."""
+    if not 0 <= float(text) <= most:
+        raise ValueError
+    return float(text)
+
+
+def at_least_0(text):
+    return fraction(text, most=sys.float_info.max)
+
+
+def process_group_kwargs():
+    """The others wait up to 2 h while the main process validates. Processes on CPUs talk over
+    gloo, which accelerate chooses for DDP but does not tell DeepSpeed."""
+    cpus = "LOCAL_RANK" in os.environ and not torch.accelerator.is_available()
+    return InitProcessGroupKwargs(backend="gloo" if cpus else None, timeout=timedelta(hours=2))
+
+
+@contextmanager
+def as_one_line(flag):
+    """A library's error, re-raised as one line that names the flag or file it came from."""
+    try:
+        yield
+    except Exception as e:
+        raise SystemExit(f"error: {flag}: {type(e).__name__}: {' '.join(str(e).split())}") from None
+
+
+def start_run(accelerator, args):
+    """Before the models load: refuse what cannot run; until the first step a signal ends the run
+    at once; the file `stopped` of an earlier run goes; DataLoader workers die with the process."""
+    if accelerator.mixed_precision == "fp16" and accelerator.device.type == "cpu":
+        raise SystemExit("error: --mixed_precision fp16 needs a GPU; on a CPU use bf16 or no")
+    if args.use_8bit_adam and accelerator.device.type == "mps":
+        raise SystemExit("error: --use_8bit_adam: bitsandbytes has no 8-bit AdamW for Apple's MPS")
+    if accelerator.distributed_type == DistributedType.FSDP:
+        raise SystemExit("error: launch with DDP or DeepSpeed, not FSDP")
+    handle_signals(accelerator, args, at_once=True)
+    if accelerator.is_main_process:
+        Path(args.output_dir, "stopped").unlink(missing_ok=True)
+    # Workers ignore SIGTERM (ignore_signals), so multiprocessing's own exit would wait on them.
+    atexit.register(lambda: [worker.kill() for worker in multiprocessing.active_children()])
+
+
+def handle_signals(accelerator, args, at_once):
+    """SIGTERM (a scheduler's notice), SIGINT (Ctrl-C): at_once the run ends; else the first asks
+    the loop to checkpoint and stop (set_trigger), a second ends the run."""
+    received = []
+
+    def handler(signum, frame):
+        # Slurm signals every process, which torchrun signals again: a repeat within 1 s is one.
+        if not received or time.monotonic() - received[-1] > 1:
+            received.append(time.monotonic())
+            why = f"Stopped by {signal.Signals(signum).name}"
+            # Now: a launcher may kill the processes before their checkpoint is whole.
+            write_stopped(accelerator, args, why)
+            if at_once or len(received) > 1:
+                stop_run(accelerator, args, why)
+            accelerator.set_trigger()
+
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, handler)
+
+
+def ignore_signals(*worker_id):
+    """The signals of a DataLoader worker (its worker_init_fn), which leaves them to the main
+    process, and of a finished run."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def stop_requested(accelerator, launcher=os.getppid()):
+    """Whether any process was signalled, or lost its launcher (`launcher`: the parent as the
+    script started), which a rank outlives if the launcher is killed. All processes call it."""
+    if "LOCAL_RANK" in os.environ and os.getppid() != launcher:
+        accelerator.set_trigger()
+    return accelerator.check_trigger()
+
+
+def write_stopped(accelerator, args, why):
+    """The file `stopped` in --output_dir, which a scheduler tests to requeue the run."""
+    if accelerator.is_main_process:
+        os.makedirs(args.output_dir, exist_ok=True)
+        Path(args.output_dir, "stopped").write_text(why)
+
+
+def stop_run(accelerator, args, why, global_step=None):
+    """A checkpoint of global_step if given, then exit 75 (EX_TEMPFAIL, "try again later"); the
+    file `stopped` says why."""
+    if global_step is not None:
+        save_checkpoint(accelerator, args, global_step)
+    write_stopped(accelerator, args, why)
+    logger.info(f"{why}: go on with --resume_from_checkpoint latest")
+    raise SystemExit(75)
+
+
+def end_run(accelerator, args):
+    """Finished: from now on a signal changes nothing, and there is nothing to requeue."""
+    ignore_signals()
+    if accelerator.is_main_process:
+        Path(args.output_dir, "stopped").unlink(missing_ok=True)
+    accelerator.end_training()
 
 
 if __name__ == "__main__":

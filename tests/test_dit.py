@@ -98,7 +98,7 @@ def test_cached_latents_are_the_vaes_moments_of_both_sides(digits_folder, tiny_s
     vae = AutoencoderKL.from_pretrained(tiny_sd_path, subfolder="vae")
     args = script.parse_args(["--train_data_dir", digits_folder, "--model_config_name_or_path", "x", "--random_flip",
                               "--resolution", "64", "--center_crop", "--output_dir", "unused"])
-    dataset = script.load_train_dataset(args, "image").select(range(2))
+    dataset = script.load_datasets(args, "image")["train"].select(range(2))
     augment = transforms.Compose([transforms.Resize(64), transforms.CenterCrop(64), transforms.ToTensor(),
                                   transforms.Normalize([0.5], [0.5])])
     encoded = script.encode_latents(dataset[:2], args, augment, vae)["latent_moments"]

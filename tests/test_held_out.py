@@ -3,12 +3,13 @@ the four diffusion scripts: the same value for the same weights, on 1 and 2 proc
 training batch, before and after a resume; the same split with buckets and the latent cache; the quarters of the
 schedule that make up the whole; bad input in one line; a card that names the base model."""
 
-import ast
 import shutil
 import sys
+from pathlib import Path
 
 import pytest
 from conftest import import_script, resume_copy, run_script, train_in_process, write_imagefolder
+from test_edges import card_code
 
 UNCOND, DIT, T2I, LORA = "train_unconditional.py", "train_dit.py", "train_text_to_image.py", "train_lora.py"
 
@@ -56,7 +57,7 @@ def test_the_same_weights_give_the_same_held_out_loss_on_one_and_two_processes(u
 def record_rows(monkeypatch, script):
     """The rows that reach each training batch, and the held-out set's rows at each held-out loss."""
     module = import_script(script.removesuffix(".py"))
-    trained, held, validating = [], [], [False]
+    trained, held, paths, validating = [], [], [], [False]
     preprocess, log_held_out_loss = module.preprocess, module.log_held_out_loss
 
     def recording_preprocess(examples, *args, **kwargs):
@@ -66,6 +67,8 @@ def record_rows(monkeypatch, script):
 
     def recording_log(accelerator, held_out, *args, **kwargs):
         held.append(sorted(held_out.with_format(None)["row"]))
+        if "image" in held_out.column_names:  # not with cached latents
+            paths.append(sorted(image["path"] for image in held_out.with_format(None)["image"]))
         validating[0] = True
         try:
             return log_held_out_loss(accelerator, held_out, *args, **kwargs)
@@ -74,6 +77,7 @@ def record_rows(monkeypatch, script):
 
     monkeypatch.setattr(module, "preprocess", recording_preprocess)
     monkeypatch.setattr(module, "log_held_out_loss", recording_log)
+    record_rows.paths = paths
     return trained, held
 
 
@@ -152,8 +156,10 @@ def test_each_latent_script_logs_a_held_out_loss_and_writes_a_card_naming_its_ba
     assert list(logged["val_loss"]) == [2]  # at the end
     card = (out / "README.md").read_text()
     assert f"{logged['val_loss'][2]:.4f}" in card and f"{script} " in card and "--validation_split 0.25" in card
-    # The loading lines are Python; a local base model is named in the text, not in the Hub's header.
-    ast.parse(card.split("```python\n")[1].split("```")[0])
+    # The loading lines run as pasted; a local base model is named in the text, not in the Hub's header.
+    monkeypatch.chdir(tmp_path)
+    exec(card_code(card), {})
+    assert (tmp_path / "sample.png").exists() or script == DIT
     assert "base_model" not in card.split("---")[1]
     if script == DIT:
         assert "Trained from scratch" in card and "vae=None" in card
@@ -161,21 +167,24 @@ def test_each_latent_script_logs_a_held_out_loss_and_writes_a_card_naming_its_ba
         assert f"Fine-tuned from {tiny_sd_path}" in card
 
 
-def test_the_unconditional_card_says_it_was_trained_from_scratch(uncond_args, tmp_path):
+def test_the_unconditional_card_says_it_was_trained_from_scratch(uncond_args, tmp_path, monkeypatch):
     out = tmp_path / "out"
     train_in_process(UNCOND, uncond_args + ["--logger", "none", "--output_dir", out, "--max_train_steps", "1"])
     card = (out / "README.md").read_text()
     assert card.startswith("---\n") and "library_name: diffusers" in card and "Trained from scratch" in card
     assert "not measured" not in card
+    monkeypatch.chdir(tmp_path)
+    exec(card_code(card), {})  # DDPM's 1,000 steps of the tiny UNet
+    assert (tmp_path / "sample.png").exists()
 
 
 @pytest.mark.parametrize("case, expected", [
-    ("all", "error: --validation_split: no picture would be held out, or none would train"),
-    ("none", "error: --validation_split: no picture would be held out, or none would train"),
-    ("other_format", "error: --validation_data_dir {held}: ValueError: columns ['image', 'text'], not "
-                     "['image', 'text', 'label']"),
-    ("no_pictures", "error: --validation_data_dir {held}: "),
-    ("inside", "error: --validation_data_dir: give a folder apart from the training one"),
+    ("all", "error: --validation_split: ValueError: With n_samples=12, test_size=0.99 and train_size=None, the "
+            "resulting train set will be empty."),
+    ("other_format", "error: --validation_data_dir: the training set's columns: ValueError: The columns in features "
+                     "(['image', 'text', 'label', 'row']) must be identical as the columns in the dataset: "
+                     "['image', 'text', 'row']"),
+    ("no_pictures", "error: --validation_data_dir {held}: no pictures in it"),
 ])  # fmt: skip
 def test_a_split_that_leaves_nothing_or_a_folder_of_another_format_is_one_line(case, expected, uncond_args,
                                                                                run_in_process, tmp_path):
@@ -186,12 +195,10 @@ def test_a_split_that_leaves_nothing_or_a_folder_of_another_format_is_one_line(c
     elif case == "no_pictures":
         (tmp_path / "held").mkdir()
         args += ["--validation_data_dir", tmp_path / "held"]
-    elif case == "inside":
-        args += ["--validation_data_dir", uncond_args[1]]  # the training folder itself
     else:
-        args += ["--validation_split", "0.99" if case == "all" else "0.01"]
+        args += ["--validation_split", "0.99"]
     error = run_in_process(UNCOND, args)
-    assert error.startswith(expected.format(held=(tmp_path / "held").resolve())) and "\n" not in error
+    assert error.startswith(expected.format(held=tmp_path / "held")) and "\n" not in error
     assert not (tmp_path / "out").exists()
     shutil.rmtree(tmp_path / "held", ignore_errors=True)
 
@@ -203,4 +210,5 @@ def test_a_validation_folder_is_held_out_whole(uncond_args, digits_folder, tmp_p
     with monkeypatch.context() as patch:
         trained, held = record_rows(patch, UNCOND)
         train_in_process(UNCOND, args)
-    assert held[0] == [12, 13, 14, 15] and set(trained) == set(range(12))  # the folder's rows come last
+    assert set(trained) == set(range(12)) and held[0] == [0, 1, 2, 3]  # rows of the folder's own
+    assert record_rows.paths[0] == sorted(str(p) for p in Path(folder).glob("*.png"))

@@ -323,7 +323,7 @@ def test_an_ignored_official_flag_says_so_and_trains(common, tmp_path, capsys):
                     "file beside each image: FileNotFoundError: "),
     ("corrupt_image", "error: image "),
     ("deepspeed_text_encoder", "error: --train_text_encoder needs DDP, not DeepSpeed"),
-    ("zero3", "error: launch with DDP or DeepSpeed ZeRO-1/2, not FSDP or ZeRO-3: they split the frozen UNet, "
+    ("zero3", "error: launch with DDP or DeepSpeed ZeRO-1/2, not ZeRO-3: it splits the frozen UNet, "
               "whose LoRA layers this script reads whole"),
 ])
 def test_bad_input_is_one_clear_error(case, expected, reference, tiny_sd_path, kohya_folder, corrupt_folder, tmp_path,

@@ -154,11 +154,10 @@ def main(args):
     )
     # The model without its DDP, DeepSpeed or torch.compile wrapper.
     unwrap = partial(accelerator.unwrap_model, keep_torch_compile=False)
-    deepspeed_plugin = accelerator.state.deepspeed_plugin
-    if deepspeed_plugin and deepspeed_plugin.zero_stage == 3:
+    if accelerator.state.deepspeed_plugin and accelerator.state.deepspeed_plugin.zero_stage == 3:
         raise SystemExit("error: launch with DDP or DeepSpeed ZeRO-1/2, not ZeRO-3")
     logging.basicConfig(level=logging.INFO)
-    # What a real launch needs beside the lesson: see "Running for real" at the end of the file.
+    # What a real launch needs beside the lesson: "Running for real", at the end of the file.
     start_run(accelerator, args)
     # The same initial weights on every process.
     set_seed(args.seed)
@@ -217,13 +216,9 @@ def main(args):
     #    held-out ones apart
     crop = transforms.CenterCrop if args.center_crop else transforms.RandomCrop
     # Pixels in [0, 1] become (x - 0.5) / 0.5, in [-1, 1].
+    to_tensor = transforms.Compose([transforms.ToTensor(), transforms.Normalize([0.5], [0.5])])
     augment = transforms.Compose(
-        [
-            transforms.Resize(args.resolution),
-            crop(args.resolution),
-            transforms.ToTensor(),
-            transforms.Normalize([0.5], [0.5]),
-        ]
+        [transforms.Resize(args.resolution), crop(args.resolution), to_tensor]
     )
     # --cache_latents: the frozen VAE encodes each image once, here, not in every epoch.
     if args.cache_latents:
@@ -284,8 +279,7 @@ def main(args):
     model, optimizer, train_dataloader, lr_scheduler = accelerator.prepare(
         model, optimizer, train_dataloader, lr_scheduler
     )
-    # Each process draws its own ε and t. The Diffusers examples leave them unseeded or, with
-    # --seed, seed every process alike: the same ε and t on each GPU.
+    # Each process draws its own ε and t (the Diffusers examples draw the same on every GPU).
     set_seed(args.seed, device_specific=True)
 
     # 6. Checkpoint hooks and resume. save_state stores the optimizer, LR schedule and every
@@ -304,11 +298,11 @@ def main(args):
     accelerator.register_save_state_pre_hook(save_model_hook)
     accelerator.register_load_state_pre_hook(load_model_hook)
     # The EMA's state, as it is (EMAModel.save_pretrained would draw from the RNG of ε and t).
-    if ema_model is not None:
+    if args.use_ema:
         accelerator.register_for_checkpointing(ema_model)
     global_step = resume_from_checkpoint(accelerator, args)
     # The EMA goes to the device after the resume, which loads it on the CPU.
-    if ema_model is not None:
+    if args.use_ema:
         ema_model.to(accelerator.device)
     first_epoch = global_step // steps_per_epoch
     skip_batches = (global_step % steps_per_epoch) * accumulation
@@ -339,8 +333,7 @@ def main(args):
             target = noise_scheduler.get_velocity(clean_images, noise, timesteps)
         else:
             target = noise - clean_images
-        # The model's prediction of the target, ε_θ(x_t, t, y) for ε. Its input is cast to the
-        # mixed-precision dtype, as DeepSpeed keeps the model's weights in that dtype.
+        # The prediction of the target, ε_θ(x_t, t, y) for ε; its input in the weights' dtype.
         model_output = model(noisy_images.to(weight_dtype), timesteps, class_labels).sample
         # ‖target - prediction‖²: the simple loss (DDPM eq. 14), per image for Min-SNR-γ.
         loss = F.mse_loss(model_output.float(), target.float(), reduction="none")
@@ -349,8 +342,8 @@ def main(args):
             loss = loss * min_snr_weights(noise_scheduler, timesteps, args.snr_gamma)
         return loss
 
-    # Section 8's loss of a held-out picture, at t = fraction·T (σ) with the generator's ε.
-    def held_out_loss(batch, generator, fraction):
+    # A held-out picture's loss at t = fraction·T (σ), with the generator's ε (section 8).
+    def picture_loss(batch, generator, fraction):
         # The VAE posterior's mean, not a sample: the same latent each time.
         clean_images = sample_latents(vae, batch, args, mean=True) if vae else batch["pixel_values"]
         noise = torch.randn(clean_images.shape, generator=generator).to(accelerator.device)
@@ -371,9 +364,8 @@ def main(args):
     shown = {}
     for epoch in range(first_epoch, num_epochs):
         model.train()
-        # This epoch's crops and flips: preprocess seeds them with (seed, epoch, row).
+        # This epoch's crops and flips (preprocess), and permutation, also when resuming.
         train_dataset.set_transform(partial(transform, epoch=epoch))
-        # This epoch's permutation, also when resuming.
         train_dataloader.set_epoch(epoch)
         batches = train_dataloader
         # A resumed run skips the batches its checkpoint has trained on.
@@ -401,7 +393,7 @@ def main(args):
                 # The paper's label dropout, for guidance: y = ∅ with p = --class_dropout_prob.
                 dropped = torch.rand(bsz, device=device) < args.class_dropout_prob
                 class_labels = batch["class_labels"].masked_fill(dropped, null_class)
-                # x_t, the target, the prediction, ‖target - prediction‖²: over the batch.
+                # x_t, the target, the prediction, ‖target - prediction‖², over the batch.
                 loss = diffusion_loss(model, clean_images, noise, t, class_labels).mean()
                 # ∇_θ of the loss, averaged over processes; clipped once every micro-batch is in.
                 accelerator.backward(loss)
@@ -415,7 +407,7 @@ def main(args):
             if not accelerator.sync_gradients:
                 continue
             lr_scheduler.step()
-            if ema_model is not None:
+            if args.use_ema:
                 ema_model.step(model.parameters())
             global_step += 1
             progress_bar.update(1)
@@ -448,7 +440,7 @@ def main(args):
             if held_out_due:
                 with ema_weights(ema_model, model.parameters()):
                     shown = log_held_out_loss(
-                        accelerator, held_out, held_out_loss, model, global_step
+                        accelerator, held_out, picture_loss, model, global_step
                     )
             last_epoch = epoch == num_epochs - 1 or last_step
             images_due = epoch_end and (epoch % args.save_images_epochs == 0 or last_epoch)
@@ -478,7 +470,7 @@ def main(args):
     # The held-out loss of the weights saved, on every process (also after a resume at the end).
     if held_out:
         with ema_weights(ema_model, model.parameters()):
-            shown = log_held_out_loss(accelerator, held_out, held_out_loss, model, global_step)
+            shown = log_held_out_loss(accelerator, held_out, picture_loss, model, global_step)
     if accelerator.is_main_process:
         save_pipeline(args, unwrap(model), ema_model, sampler, names)
         where = repo.repo_id if args.push_to_hub else args.output_dir
@@ -697,7 +689,7 @@ def min_snr_weights(noise_scheduler, timesteps, snr_gamma):
     return snr.clamp(max=snr_gamma) / divisors[noise_scheduler.config.prediction_type]
 
 
-def log_held_out_loss(accelerator, held_out, held_out_loss, model, global_step):
+def log_held_out_loss(accelerator, held_out, picture_loss, model, global_step):
     """The loss on the held-out pictures: val_loss, and val_loss_t0 to t3 over the quarters of the
     schedule, low noise to high (val_loss is their mean weighted by their counts). The same for the
     same weights on any number of processes: picture k of n gets t = (k + ½)·T/n and an ε seeded
@@ -710,7 +702,7 @@ def log_held_out_loss(accelerator, held_out, held_out_loss, model, global_step):
         for k in share:
             batch = send_to_device(default_collate([held_out[k]]), accelerator.device)
             generator = torch.Generator().manual_seed(k)
-            losses.append(held_out_loss(batch, generator, (k + 0.5) / n).item())
+            losses.append(picture_loss(batch, generator, (k + 0.5) / n).item())
     model.train()
     losses = gather_object(losses)
     logs = {"val_loss": sum(losses) / n}
@@ -874,8 +866,8 @@ def at_least_0(text):
 
 
 def process_group_kwargs():
-    """The others wait up to 2 h while the main process validates. Processes on CPUs talk over
-    gloo, which accelerate chooses for DDP but does not tell DeepSpeed."""
+    """Processes on CPUs talk over gloo (also under DeepSpeed); the others wait up to 2 h while
+    the main process validates."""
     cpus = "LOCAL_RANK" in os.environ and not torch.accelerator.is_available()
     return InitProcessGroupKwargs(backend="gloo" if cpus else None, timeout=timedelta(hours=2))
 

@@ -177,7 +177,7 @@ def main(args):
     if deepspeed_plugin and args.train_text_encoder:
         raise SystemExit("error: --train_text_encoder needs DDP, not DeepSpeed")
     logging.basicConfig(level=logging.INFO)
-    # What a real launch needs beside the lesson: see "Running for real" at the end of the file.
+    # What a real launch needs beside the lesson: "Running for real", at the end of the file.
     start_run(accelerator, args)
     # The same initial weights on every process.
     set_seed(args.seed)
@@ -222,7 +222,7 @@ def main(args):
     # On CLIP's attention projections, with the same r and α.
     if args.train_text_encoder:
         clip_targets = ["q_proj", "k_proj", "v_proj", "out_proj"]
-        # peft's own call: transformers' add_adapter wraps it in a gate on peft's version.
+        # peft's own call, without transformers' gate on peft's version (docs/reference.md).
         inject_adapter_in_model(replace(lora_config, target_modules=clip_targets), text_encoder)
     trained = [unet, text_encoder] if args.train_text_encoder else [unet]
     # A and B in fp32: fp16 gradients could not be unscaled, bf16 updates of 1e-4 would round away.
@@ -365,7 +365,7 @@ def main(args):
         num_training_steps=max_train_steps,
     )
     # DeepSpeed's "auto" micro-batch is read from the DataLoader, which buckets leave without one.
-    if deepspeed_plugin is not None and deepspeed_plugin.is_auto("train_micro_batch_size_per_gpu"):
+    if deepspeed_plugin and deepspeed_plugin.is_auto("train_micro_batch_size_per_gpu"):
         deepspeed_plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = args.train_batch_size
     unet, optimizer, train_dataloader, lr_scheduler = accelerator.prepare(
         unet, optimizer, train_dataloader, lr_scheduler
@@ -373,8 +373,7 @@ def main(args):
     # The text encoder's LoRA learns too: DDP wraps it as well.
     if args.train_text_encoder:
         text_encoder = accelerator.prepare(text_encoder)
-    # Each process draws its own ε and t. The Diffusers examples leave them unseeded or, with
-    # --seed, seed every process alike: the same ε and t on each GPU.
+    # Each process draws its own ε and t (the Diffusers examples draw the same on every GPU).
     set_seed(args.seed, device_specific=True)
 
     # 6. Checkpoint hooks and resume. save_state stores the optimizer, LR schedule and every
@@ -400,11 +399,11 @@ def main(args):
     accelerator.register_load_state_pre_hook(load_model_hook)
     # The masters (in fp32 the model's A and B themselves) and the EMA go into each checkpoint.
     accelerator.register_for_checkpointing(torch.nn.ParameterList(master_params))
-    if ema_model is not None:
+    if args.use_ema:
         accelerator.register_for_checkpointing(ema_model)
     global_step = resume_from_checkpoint(accelerator, args)
     # The EMA goes to the device after the resume, which loads it on the CPU.
-    if ema_model is not None:
+    if args.use_ema:
         ema_model.to(accelerator.device)
     first_epoch = global_step // steps_per_epoch
     skip_batches = (global_step % steps_per_epoch) * accumulation
@@ -415,7 +414,7 @@ def main(args):
     T = noise_scheduler.config.num_train_timesteps
 
     def diffusion_loss(unet, latents, noise, timesteps, encoder_hidden_states):
-        """Each image's loss for given ε and t: the loop's, and section 8's held-out loss."""
+        """Each image's loss for given ε and t, in the loop and on the held-out pictures."""
         # z_t = √ᾱ_t·z_0 + √(1-ᾱ_t)·ε: the forward process in closed form (DDPM, eq. 4).
         noisy_latents = noise_scheduler.add_noise(latents, noise, timesteps)
         # The target: ε, or v = √ᾱ_t·ε - √(1-ᾱ_t)·z_0 (Salimans & Ho 2022).
@@ -423,8 +422,7 @@ def main(args):
             target = noise
         else:
             target = noise_scheduler.get_velocity(latents, noise, timesteps)
-        # The model's prediction of the target, ε_θ(z_t, t, c) for ε. Its input is cast to the
-        # mixed-precision dtype, as DeepSpeed keeps the model's weights in that dtype.
+        # The prediction of the target, ε_θ(z_t, t, c) for ε; its input in the weights' dtype.
         inputs = noisy_latents.to(weight_dtype)
         model_output = unet(inputs, timesteps, encoder_hidden_states).sample
         # ‖target - prediction‖²: the simple loss (DDPM eq. 14), per image for Min-SNR-γ.
@@ -434,9 +432,9 @@ def main(args):
             loss = loss * min_snr_weights(noise_scheduler, timesteps, args.snr_gamma)
         return loss
 
-    # Section 8's loss of a held-out picture, at t = fraction·T with the generator's ε (without
-    # --noise_offset, which adds noise of its own).
-    def held_out_loss(batch, generator, fraction):
+    # A held-out picture's loss at t = fraction·T, with the generator's ε (section 8), without
+    # --noise_offset, which adds noise of its own.
+    def picture_loss(batch, generator, fraction):
         # The VAE posterior's mean, not a sample: the same latent each time.
         latents = sample_latents(vae, batch, args, mean=True)
         encoder_hidden_states = unwrap(text_encoder)(batch["input_ids"])[0]
@@ -458,8 +456,8 @@ def main(args):
     shown = {}
     for epoch in range(first_epoch, num_epochs):
         unet.train()
+        # This epoch's crops, flips and captions (preprocess), and permutation, also when resuming.
         train_dataset.set_transform(partial(transform, epoch=epoch))
-        # This epoch's permutation, also when resuming.
         train_dataloader.set_epoch(epoch)
         batches = train_dataloader
         # A resumed run skips the batches its checkpoint has trained on.
@@ -483,7 +481,7 @@ def main(args):
                     noise += args.noise_offset * torch.randn(*noise.shape[:2], 1, 1, device=device)
                 # t ~ U{0, ..., T-1}: a timestep per image.
                 timesteps = torch.randint(0, T, (bsz,), device=device)
-                # z_t, the target, the prediction, ‖target - prediction‖²: over the batch.
+                # z_t, the target, the prediction, ‖target - prediction‖², over the batch.
                 losses = diffusion_loss(unet, latents, noise, timesteps, encoder_hidden_states)
                 loss = losses.mean()
                 # ∇_θ of the loss, averaged over processes; clipped once every micro-batch is in.
@@ -498,7 +496,7 @@ def main(args):
             if not accelerator.sync_gradients:
                 continue
             lr_scheduler.step()
-            if ema_model is not None:
+            if args.use_ema:
                 ema_model.step(master_params)
             global_step += 1
             progress_bar.update(1)
@@ -531,7 +529,7 @@ def main(args):
             if held_out_due:
                 with ema_weights(ema_model, lora_params):
                     shown = log_held_out_loss(
-                        accelerator, held_out, held_out_loss, unet, global_step
+                        accelerator, held_out, picture_loss, unet, global_step
                     )
             last_epoch = epoch == num_epochs - 1 or last_step
             due = epoch_end and (epoch % args.validation_epochs == 0 or last_epoch)
@@ -550,9 +548,9 @@ def main(args):
     # The held-out loss of the weights saved, on every process (also after a resume at the end).
     if held_out:
         with ema_weights(ema_model, lora_params):
-            shown = log_held_out_loss(accelerator, held_out, held_out_loss, unet, global_step)
+            shown = log_held_out_loss(accelerator, held_out, picture_loss, unet, global_step)
     if accelerator.is_main_process:
-        if ema_model is not None:
+        if args.use_ema:
             ema_model.copy_to(master_params)
         # The files take the masters: under bf16 (without DeepSpeed) the fp32 ones, not the copies.
         for p, master in zip(lora_params, master_params):
@@ -871,7 +869,7 @@ def min_snr_weights(noise_scheduler, timesteps, snr_gamma):
     return snr.clamp(max=snr_gamma) / divisors[noise_scheduler.config.prediction_type]
 
 
-def log_held_out_loss(accelerator, held_out, held_out_loss, model, global_step):
+def log_held_out_loss(accelerator, held_out, picture_loss, model, global_step):
     """The loss on the held-out pictures: val_loss, and val_loss_t0 to t3 over the quarters of the
     schedule, low noise to high (val_loss is their mean weighted by their counts). The same for the
     same weights on any number of processes: picture k of n gets t = (k + ½)·T/n and an ε seeded
@@ -884,7 +882,7 @@ def log_held_out_loss(accelerator, held_out, held_out_loss, model, global_step):
         for k in share:
             batch = send_to_device(default_collate([held_out[k]]), accelerator.device)
             generator = torch.Generator().manual_seed(k)
-            losses.append(held_out_loss(batch, generator, (k + 0.5) / n).item())
+            losses.append(picture_loss(batch, generator, (k + 0.5) / n).item())
     model.train()
     losses = gather_object(losses)
     logs = {"val_loss": sum(losses) / n}
@@ -1041,8 +1039,8 @@ def at_least_0(text):
 
 
 def process_group_kwargs():
-    """The others wait up to 2 h while the main process validates. Processes on CPUs talk over
-    gloo, which accelerate chooses for DDP but does not tell DeepSpeed."""
+    """Processes on CPUs talk over gloo (also under DeepSpeed); the others wait up to 2 h while
+    the main process validates."""
     cpus = "LOCAL_RANK" in os.environ and not torch.accelerator.is_available()
     return InitProcessGroupKwargs(backend="gloo" if cpus else None, timeout=timedelta(hours=2))
 

@@ -145,11 +145,10 @@ def main(args):
     )
     # The model without its DDP, DeepSpeed or torch.compile wrapper.
     unwrap = partial(accelerator.unwrap_model, keep_torch_compile=False)
-    deepspeed_plugin = accelerator.state.deepspeed_plugin
-    if deepspeed_plugin and deepspeed_plugin.zero_stage == 3:
+    if accelerator.state.deepspeed_plugin and accelerator.state.deepspeed_plugin.zero_stage == 3:
         raise SystemExit("error: launch with DDP or DeepSpeed ZeRO-1/2, not ZeRO-3")
     logging.basicConfig(level=logging.INFO)
-    # What a real launch needs beside the lesson: see "Running for real" at the end of the file.
+    # What a real launch needs beside the lesson: "Running for real", at the end of the file.
     start_run(accelerator, args)
     # The same initial weights on every process.
     set_seed(args.seed)
@@ -194,19 +193,14 @@ def main(args):
         )
 
     # 4. Data: images resized, cropped, flipped, scaled to [-1, 1]; the held-out ones apart
-    # The main process writes the datasets' cache files; the others then read them.
     with accelerator.main_process_first():
         splits = load_datasets(args, args.image_column)
     train_dataset, held_out = splits["train"], splits.get("validation")
     crop = transforms.CenterCrop if args.center_crop else transforms.RandomCrop
     # Pixels in [0, 1] become (x - 0.5) / 0.5, in [-1, 1].
+    to_tensor = transforms.Compose([transforms.ToTensor(), transforms.Normalize([0.5], [0.5])])
     augment = transforms.Compose(
-        [
-            transforms.Resize(args.resolution),
-            crop(args.resolution),
-            transforms.ToTensor(),
-            transforms.Normalize([0.5], [0.5]),
-        ]
+        [transforms.Resize(args.resolution), crop(args.resolution), to_tensor]
     )
     transform = partial(preprocess, args=args, augment=augment)
     # The held-out pictures keep epoch 0's crops and flips.
@@ -249,8 +243,7 @@ def main(args):
     model, optimizer, train_dataloader, lr_scheduler = accelerator.prepare(
         model, optimizer, train_dataloader, lr_scheduler
     )
-    # Each process draws its own ε and t. The Diffusers examples leave them unseeded or, with
-    # --seed, seed every process alike: the same ε and t on each GPU.
+    # Each process draws its own ε and t (the Diffusers examples draw the same on every GPU).
     set_seed(args.seed, device_specific=True)
 
     # 6. Checkpoint hooks and resume. save_state stores the optimizer, LR schedule and every
@@ -269,11 +262,11 @@ def main(args):
     accelerator.register_save_state_pre_hook(save_model_hook)
     accelerator.register_load_state_pre_hook(load_model_hook)
     # The EMA's state, as it is (EMAModel.save_pretrained would draw from the RNG of ε and t).
-    if ema_model is not None:
+    if args.use_ema:
         accelerator.register_for_checkpointing(ema_model)
     global_step = resume_from_checkpoint(accelerator, args)
     # The EMA goes to the device after the resume, which loads it on the CPU.
-    if ema_model is not None:
+    if args.use_ema:
         ema_model.to(accelerator.device)
     first_epoch = global_step // steps_per_epoch
     skip_batches = (global_step % steps_per_epoch) * accumulation
@@ -284,7 +277,7 @@ def main(args):
     T = noise_scheduler.config.num_train_timesteps
 
     def diffusion_loss(model, clean_images, noise, timesteps):
-        """Each image's loss for given ε and t: the loop's, and section 8's held-out loss."""
+        """Each image's loss for given ε and t, in the loop and on the held-out pictures."""
         # x_t = √ᾱ_t·x_0 + √(1-ᾱ_t)·ε: the forward process in closed form (DDPM, eq. 4).
         noisy_images = noise_scheduler.add_noise(clean_images, noise, timesteps)
         # The target: ε itself, v = √ᾱ_t·ε - √(1-ᾱ_t)·x_0 (Salimans & Ho 2022), or x_0.
@@ -294,8 +287,7 @@ def main(args):
             target = noise_scheduler.get_velocity(clean_images, noise, timesteps)
         else:
             target = clean_images
-        # The model's prediction of the target, ε_θ(x_t, t) for ε. Its input is cast to the
-        # mixed-precision dtype, as DeepSpeed keeps the model's weights in that dtype.
+        # The prediction of the target, ε_θ(x_t, t) for ε; its input in the weights' dtype.
         model_output = model(noisy_images.to(weight_dtype), timesteps).sample
         # ‖target - prediction‖²: the simple loss (DDPM eq. 14), per image for Min-SNR-γ.
         loss = F.mse_loss(model_output.float(), target.float(), reduction="none")
@@ -304,8 +296,8 @@ def main(args):
             loss = loss * min_snr_weights(noise_scheduler, timesteps, args.snr_gamma)
         return loss
 
-    # Section 8's loss of a held-out picture, at t = fraction·T with the generator's ε.
-    def held_out_loss(batch, generator, fraction):
+    # A held-out picture's loss at t = fraction·T, with the generator's ε (section 8).
+    def picture_loss(batch, generator, fraction):
         clean_images = batch["pixel_values"]
         noise = torch.randn(clean_images.shape, generator=generator).to(accelerator.device)
         timesteps = torch.tensor([int(fraction * T)], device=accelerator.device)
@@ -325,9 +317,8 @@ def main(args):
     shown = {}
     for epoch in range(first_epoch, num_epochs):
         model.train()
-        # This epoch's crops and flips: preprocess seeds them with (seed, epoch, row).
+        # This epoch's crops and flips (preprocess), and permutation, also when resuming.
         train_dataset.set_transform(partial(transform, epoch=epoch))
-        # This epoch's permutation, also when resuming.
         train_dataloader.set_epoch(epoch)
         batches = train_dataloader
         # A resumed run skips the batches its checkpoint has trained on.
@@ -344,7 +335,7 @@ def main(args):
                 noise = torch.randn_like(clean_images)
                 # t ~ U{0, ..., T-1}: a timestep per image.
                 timesteps = torch.randint(0, T, (len(noise),), device=noise.device)
-                # x_t, the target, the prediction, ‖target - prediction‖²: over the batch.
+                # x_t, the target, the prediction, ‖target - prediction‖², over the batch.
                 loss = diffusion_loss(model, clean_images, noise, timesteps).mean()
                 # ∇_θ of the loss, averaged over processes; clipped once every micro-batch is in.
                 accelerator.backward(loss)
@@ -358,7 +349,7 @@ def main(args):
             if not accelerator.sync_gradients:
                 continue
             lr_scheduler.step()
-            if ema_model is not None:
+            if args.use_ema:
                 ema_model.step(model.parameters())
             global_step += 1
             progress_bar.update(1)
@@ -369,9 +360,8 @@ def main(args):
             read = global_step % 10 == 0 or save or epoch_end
             if read:
                 # The mean loss of the steps since the last read, over every process.
-                mean_loss = accelerator.reduce(train_loss, "mean").item() / (
-                    global_step - logged_step
-                )
+                steps = global_step - logged_step
+                mean_loss = accelerator.reduce(train_loss, "mean").item() / steps
                 logs = {"loss": mean_loss, "lr": lr_scheduler.get_last_lr()[0]}
                 progress_bar.set_postfix(**logs, **shown)
                 accelerator.log(logs, step=global_step)
@@ -384,18 +374,17 @@ def main(args):
                         "checkpoint before it with a lower --learning_rate, or bf16 for fp16"
                     )
 
-            # 8. Validation, with the EMA weights if any: the held-out loss every
-            #    --validate_every_n_steps (the last one in 9), images at an epoch's end
-            validate_every = args.validate_every_n_steps or args.checkpointing_steps
-            held_out_due = held_out and global_step % validate_every == 0 and not last_step
+            # 8. Validation, EMA weights if any: the held-out loss every --validate_every_n_steps
+            #    (the last in 9); at an epoch's end, Algorithm 2 from the same noise each time
+            every = args.validate_every_n_steps or args.checkpointing_steps
+            held_out_due = held_out and global_step % every == 0 and not last_step
             if held_out_due:
                 with ema_weights(ema_model, model.parameters()):
                     shown = log_held_out_loss(
-                        accelerator, held_out, held_out_loss, model, global_step
+                        accelerator, held_out, picture_loss, model, global_step
                     )
             last_epoch = epoch == num_epochs - 1 or last_step
             images_due = epoch_end and (epoch % args.save_images_epochs == 0 or last_epoch)
-            # Algorithm 2: images from the same noise each time, so that progress shows.
             if images_due and accelerator.is_main_process:
                 log_validation(
                     accelerator, args, unwrap(model), ema_model, noise_scheduler, global_step
@@ -414,12 +403,13 @@ def main(args):
     # The held-out loss of the weights saved, on every process (also after a resume at the end).
     if held_out:
         with ema_weights(ema_model, model.parameters()):
-            shown = log_held_out_loss(accelerator, held_out, held_out_loss, model, global_step)
+            shown = log_held_out_loss(accelerator, held_out, picture_loss, model, global_step)
     if accelerator.is_main_process:
         save_pipeline(args, unwrap(model), ema_model, noise_scheduler)
         where = repo.repo_id if args.push_to_hub else args.output_dir
-        usage = f"from diffusers import DDPMPipeline\n\npipeline = DDPMPipeline.from_pretrained({where!r})"
-        usage += "\npipeline().images[0].save('sample.png')"
+        usage = "from diffusers import DDPMPipeline\n\n"
+        usage += f"pipeline = DDPMPipeline.from_pretrained({where!r})\n"
+        usage += "pipeline().images[0].save('sample.png')"
         tags = ["ddpm", "unconditional-image-generation"]
         save_model_card(accelerator, args, None, tags, usage, shown)
         if args.push_to_hub:
@@ -572,7 +562,7 @@ def min_snr_weights(noise_scheduler, timesteps, snr_gamma):
     return snr.clamp(max=snr_gamma) / divisors[noise_scheduler.config.prediction_type]
 
 
-def log_held_out_loss(accelerator, held_out, held_out_loss, model, global_step):
+def log_held_out_loss(accelerator, held_out, picture_loss, model, global_step):
     """The loss on the held-out pictures: val_loss, and val_loss_t0 to t3 over the quarters of the
     schedule, low noise to high (val_loss is their mean weighted by their counts). The same for the
     same weights on any number of processes: picture k of n gets t = (k + ½)·T/n and an ε seeded
@@ -585,7 +575,7 @@ def log_held_out_loss(accelerator, held_out, held_out_loss, model, global_step):
         for k in share:
             batch = send_to_device(default_collate([held_out[k]]), accelerator.device)
             generator = torch.Generator().manual_seed(k)
-            losses.append(held_out_loss(batch, generator, (k + 0.5) / n).item())
+            losses.append(picture_loss(batch, generator, (k + 0.5) / n).item())
     model.train()
     losses = gather_object(losses)
     logs = {"val_loss": sum(losses) / n}
@@ -708,8 +698,8 @@ def at_least_0(text):
 
 
 def process_group_kwargs():
-    """The others wait up to 2 h while the main process validates. Processes on CPUs talk over
-    gloo, which accelerate chooses for DDP but does not tell DeepSpeed."""
+    """Processes on CPUs talk over gloo (also under DeepSpeed); the others wait up to 2 h while
+    the main process validates."""
     cpus = "LOCAL_RANK" in os.environ and not torch.accelerator.is_available()
     return InitProcessGroupKwargs(backend="gloo" if cpus else None, timeout=timedelta(hours=2))
 

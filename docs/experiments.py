@@ -304,7 +304,7 @@ def held_out(folder):
 
     from diffusers import DDIMPipeline, DDIMScheduler, DDPMScheduler, UNet2DModel
 
-    from train_unconditional import load_train_dataset, parse_args
+    from train_unconditional import load_datasets, parse_args
 
     # The first 10 pictures of each digit, an imagefolder in data/digits' format.
     subset, rows, per_digit = folder / "subset", [], {}
@@ -318,12 +318,8 @@ def held_out(folder):
     (subset / "metadata.jsonl").write_text("".join(rows))
     split = ["--train_data_dir", subset, "--validation_split", "0.2", "--seed", "0"]
     # Which of the 1,797 digits trained: the script's own split (file NNNN.png is digit NNNN).
-    dataset = load_train_dataset(parse_args(list(map(str, split))), "image")
-    trained = [
-        int(Path(image["path"]).stem)
-        for image, held in zip(dataset["image"], dataset["held_out"])
-        if not held
-    ]
+    splits = load_datasets(parse_args(list(map(str, split))), "image")
+    trained = [int(Path(image["path"]).stem) for image in splits["train"]["image"]]
     digits = real_digits()[0]
     is_trained = torch.zeros(len(digits), dtype=torch.bool)
     is_trained[trained] = True
@@ -346,7 +342,7 @@ def held_out(folder):
     others = torch.nonzero(~is_trained).flatten()
     results = {
         "trained": len(trained),
-        "held_out": len(dataset) - len(trained),
+        "held_out": len(splits["validation"]),
         "steps": HELD_OUT_STEPS,
         "every": HELD_OUT_EVERY,
         "real": copies(digits[others], itself=others),

@@ -667,8 +667,7 @@ def open_image(item):
 
 def parse_buckets(args, step):
     """--aspect_ratio_buckets as sizes (height, width): "h1,w1;h2,w2;..." or, for "auto", sides in
-    steps of `step` px, of about --resolution² pixels, up to 4:1 either way (diffusers'
-    generate_aspect_ratio_buckets stops at 2:1)."""
+    steps of `step` px, of about --resolution² pixels, up to 4:1 either way (guide 4)."""
     if args.aspect_ratio_buckets == "auto":
         area = args.resolution**2
         heights = range(step, 4 * args.resolution + 1, step)
@@ -687,8 +686,7 @@ def parse_buckets(args, step):
 
 
 def nearest_bucket(item, bucket_sizes):
-    """The bucket whose aspect ratio is nearest the image's, in log scale (2:1 as far as 1:2;
-    diffusers' find_nearest_bucket compares |h·w_b - w·h_b|, which grows with the bucket)."""
+    """The bucket whose aspect ratio is nearest the image's, in log scale (2:1 as far as 1:2)."""
     width, height = open_image(item).size
     distances = [abs(math.log(w / h * height / width)) for h, w in bucket_sizes]
     return {"bucket": distances.index(min(distances))}
@@ -708,9 +706,8 @@ def cover_and_crop(image, size, args):
 
 
 class BucketBatches(torch.utils.data.BatchSampler):
-    """Batches of one bucket each. accelerate puts its seedable sampler in self.sampler: its order
-    for the epoch, the same on every process, is dealt to the images' buckets; a bucket's batch
-    goes out when full, the part-filled ones at the end of the epoch."""
+    """Batches of one bucket each: the epoch's order (accelerate's seedable sampler, the same on
+    every process) dealt to the buckets; a full batch goes out, the part-filled ones at the end."""
 
     def __init__(self, sampler, buckets, args):
         super().__init__(sampler, args.train_batch_size, drop_last=False)
@@ -941,9 +938,8 @@ def generate(accelerator, args, pipeline, **kwargs):
 
 
 def save_lora(output_dir, *models):
-    """The UNet's A and B (then the text encoder's, if it learns) under peft's names, each model's
-    config beside them, else loaders take α = r. (diffusers' older names cover attention only: with
-    wider targets diffusers would load a third of the layers.)"""
+    """The UNet's A and B (then the text encoder's, if it learns) under peft's names (guide 5), each
+    model's config beside them, else loaders take α = r."""
     saved = {}
     for name, module in zip(["unet", "text_encoder"], models):
         saved[f"{name}_lora_layers"] = get_peft_model_state_dict(module)
@@ -952,8 +948,8 @@ def save_lora(output_dir, *models):
 
 
 def save_kohya(args):
-    """The file just saved, in kohya's format. diffusers' converter writes SDXL's lora_te1_ and
-    α = r; transformers 5's CLIP lacks the text_model level."""
+    """The file just saved, in kohya's format, with SD 1.x's names for the text encoder and the
+    run's α (guide 5)."""
     layers = load_file(f"{args.output_dir}/pytorch_lora_weights.safetensors")
     for k in [k for k in layers if k.startswith("text_encoder.")]:
         clip_key = k.removeprefix("text_encoder.").removeprefix("text_model.")

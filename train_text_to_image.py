@@ -364,7 +364,7 @@ def main(args):
 
     accelerator.register_save_state_pre_hook(save_model_hook)
     accelerator.register_load_state_pre_hook(load_model_hook)
-    # The EMA's state, as it is (EMAModel.save_pretrained would draw from the RNG of ε and t).
+    # The EMA's state as it is: EMAModel.save_pretrained draws from the CPU's RNG (guide 2).
     if args.use_ema:
         accelerator.register_for_checkpointing(ema_model)
     global_step = resume_from_checkpoint(accelerator, args)
@@ -649,8 +649,7 @@ def open_image(item):
 
 def parse_buckets(args, step):
     """--aspect_ratio_buckets as sizes (height, width): "h1,w1;h2,w2;..." or, for "auto", sides in
-    steps of `step` px, of about --resolution² pixels, up to 4:1 either way (diffusers'
-    generate_aspect_ratio_buckets stops at 2:1)."""
+    steps of `step` px, of about --resolution² pixels, up to 4:1 either way (guide 4)."""
     if args.aspect_ratio_buckets == "auto":
         area = args.resolution**2
         heights = range(step, 4 * args.resolution + 1, step)
@@ -669,8 +668,7 @@ def parse_buckets(args, step):
 
 
 def nearest_bucket(item, bucket_sizes):
-    """The bucket whose aspect ratio is nearest the image's, in log scale (2:1 as far as 1:2;
-    diffusers' find_nearest_bucket compares |h·w_b - w·h_b|, which grows with the bucket)."""
+    """The bucket whose aspect ratio is nearest the image's, in log scale (2:1 as far as 1:2)."""
     width, height = open_image(item).size
     distances = [abs(math.log(w / h * height / width)) for h, w in bucket_sizes]
     return {"bucket": distances.index(min(distances))}
@@ -690,9 +688,8 @@ def cover_and_crop(image, size, args):
 
 
 class BucketBatches(torch.utils.data.BatchSampler):
-    """Batches of one bucket each. accelerate puts its seedable sampler in self.sampler: its order
-    for the epoch, the same on every process, is dealt to the images' buckets; a bucket's batch
-    goes out when full, the part-filled ones at the end of the epoch."""
+    """Batches of one bucket each: the epoch's order (accelerate's seedable sampler, the same on
+    every process) dealt to the buckets; a full batch goes out, the part-filled ones at the end."""
 
     def __init__(self, sampler, buckets, args):
         super().__init__(sampler, args.train_batch_size, drop_last=False)

@@ -261,7 +261,7 @@ def main(args):
 
     accelerator.register_save_state_pre_hook(save_model_hook)
     accelerator.register_load_state_pre_hook(load_model_hook)
-    # The EMA's state, as it is (EMAModel.save_pretrained would draw from the RNG of ε and t).
+    # The EMA's state as it is: EMAModel.save_pretrained draws from the CPU's RNG (guide 2).
     if args.use_ema:
         accelerator.register_for_checkpointing(ema_model)
     global_step = resume_from_checkpoint(accelerator, args)

@@ -6,7 +6,7 @@
     python docs/experiments.py text_to_image     # needs data/tiny-sd and the README's sd-digits
     python docs/experiments.py lora               # needs sd-digits
     python docs/experiments.py buckets            # needs data/tiny-sd; 2 runs, about 30 minutes
-    python docs/experiments.py held_out           # 1 run of 6,000 steps, 6 short ones: 28 minutes
+    python docs/experiments.py held_out           # 1 run of 6,000 steps, 6 short ones: 12 minutes
 
 Each experiment is the README demo's command with one flag changed (and, for the first two
 guides, a third of the epochs, against a baseline of the same length); `buckets` is guide 4's
@@ -294,9 +294,9 @@ def held_out(folder):
     score, and how many copy a training picture (their nearest of the 1,797 real digits, at 8x8,
     is one of the 80). Then the cost: the README demo's training for 500 steps (no sample grids)
     with and without --validation_split 0.1, 3 times each, alternating. Writes
-    docs/figures/held-out.json for docs/make_figures.py and guide 2. 28 minutes in all (18 of them
-    training) with OMP_NUM_THREADS=1 on 2 cores that other work shared: there, 2 threads, the
-    default, ran 4.5 times slower than 1."""
+    docs/figures/held-out.json for docs/make_figures.py and guide 2. 12 minutes in all (7 of them
+    training) with OMP_NUM_THREADS=1 on 2 cores that other work shared (an earlier run there, with
+    2 threads, the default, ran 4.5 times slower than with 1)."""
     import json
     import resource
     import shutil

@@ -12,6 +12,7 @@ sampling mixes (classifier-free guidance). With a VAE it trains in latent space,
 
 import argparse
 import atexit
+import contextlib
 import logging
 import math
 import multiprocessing
@@ -24,7 +25,6 @@ import sys
 import textwrap
 import time
 import warnings
-from contextlib import contextmanager
 from datetime import timedelta
 from functools import partial
 from pathlib import Path
@@ -212,8 +212,7 @@ def main(args):
             min_decay=args.ema_max_decay,
         )
 
-    # 4. Data: images resized, cropped, flipped, scaled to [-1, 1], with their labels; the
-    #    held-out ones apart
+    # 4. Data: images resized, cropped, flipped, scaled to [-1, 1], labels; the held-out ones apart
     crop = transforms.CenterCrop if args.center_crop else transforms.RandomCrop
     # Pixels in [0, 1] become (x - 0.5) / 0.5, in [-1, 1].
     to_tensor = transforms.Compose([transforms.ToTensor(), transforms.Normalize([0.5], [0.5])])
@@ -223,17 +222,8 @@ def main(args):
     # --cache_latents: the frozen VAE encodes each image once, here, not in every epoch.
     if args.cache_latents:
         encode = partial(encode_latents, args=args, augment=augment, vae=vae)
-        # The main process writes the cache; the others then read its files.
-        with accelerator.main_process_first():
-            for name, split in splits.items():
-                key = [split._fingerprint, vae_path, args.resolution, args.random_flip, vae.dtype]
-                splits[name] = split.map(
-                    encode,
-                    batched=True,
-                    batch_size=args.train_batch_size,
-                    remove_columns=args.image_column,
-                    new_fingerprint=Hasher.hash(key),
-                )
+        made_by = [vae_path, args.resolution, args.random_flip, vae.dtype]
+        splits = cache_latents(accelerator, args, splits, encode, made_by)
     train_dataset, held_out = splits["train"], splits.get("validation")
     size = model.config.sample_size
     # A cached latent's shape: its μ and log σ², channel after channel.
@@ -247,7 +237,7 @@ def main(args):
         batch_size=args.train_batch_size,
         shuffle=True,
         num_workers=args.dataloader_num_workers,
-        # Its own generator, not the global RNG: see preprocess.
+        # Its own generator: each epoch's shuffle would draw from the global RNG of ε and t.
         generator=torch.Generator().manual_seed(args.seed),
         worker_init_fn=ignore_signals,
     )
@@ -290,6 +280,7 @@ def main(args):
         # Saved above: accelerate must not store them again.
         weights.clear()
 
+    # models is empty under DeepSpeed, which loads its own files.
     def load_model_hook(models, input_dir):
         if models:
             loaded = DiTTransformer2DModel.from_pretrained(input_dir, subfolder="transformer")
@@ -297,7 +288,7 @@ def main(args):
 
     accelerator.register_save_state_pre_hook(save_model_hook)
     accelerator.register_load_state_pre_hook(load_model_hook)
-    # The EMA's state as it is: EMAModel.save_pretrained draws from the CPU's RNG (guide 2).
+    # The EMA too, so that a resume goes on with the same average (as its state: guide 2).
     if args.use_ema:
         accelerator.register_for_checkpointing(ema_model)
     global_step = resume_from_checkpoint(accelerator, args)
@@ -309,7 +300,7 @@ def main(args):
     hparams = {k: v for k, v in vars(args).items() if isinstance(v, (int, float, str))}
     accelerator.init_trackers("train_dit", config=hparams)
 
-    # 7. The training loop: Algorithm 1 of DDPM
+    # 7. The training loop: Algorithm 1 of DDPM; section 8 runs at the end of each step
     T = noise_scheduler.config.num_train_timesteps
     flow = args.prediction_type == "flow_prediction"
 
@@ -333,7 +324,8 @@ def main(args):
             target = noise_scheduler.get_velocity(clean_images, noise, timesteps)
         else:
             target = noise - clean_images
-        # The prediction of the target, ε_θ(x_t, t, y) for ε; its input in the weights' dtype.
+        # The prediction of the target, ε_θ(x_t, t, y) for ε; its input in the mixed-precision
+        # dtype, which DeepSpeed keeps the weights in.
         model_output = model(noisy_images.to(weight_dtype), timesteps, class_labels).sample
         # ‖target - prediction‖²: the simple loss (DDPM eq. 14), per image for Min-SNR-γ.
         loss = F.mse_loss(model_output.float(), target.float(), reduction="none")
@@ -360,7 +352,7 @@ def main(args):
     # The loss is summed on the device, read every 10 steps: a read makes the CPU wait.
     train_loss = 0.0
     logged_step = global_step
-    # The last held-out loss, shown beside the training loss.
+    # The last held-out loss: on the progress bar, and in the model card.
     shown = {}
     for epoch in range(first_epoch, num_epochs):
         model.train()
@@ -433,10 +425,11 @@ def main(args):
                         "checkpoint before it with a lower --learning_rate, or bf16 for fp16"
                     )
 
-            # 8. Validation, with the EMA weights if any: the held-out loss every
-            #    --validate_every_n_steps (the last one in 9), guided samples at an epoch's end
-            validate_every = args.validate_every_n_steps or args.checkpointing_steps
-            held_out_due = held_out and global_step % validate_every == 0 and not last_step
+            # 8. Validation, EMA weights if any: the held-out loss every --validate_every_n_steps
+            #    (of the saved weights in 9); at an epoch's end, guided samples, a row per class
+            # Without --validate_every_n_steps, at every checkpoint.
+            every = args.validate_every_n_steps or args.checkpointing_steps
+            held_out_due = held_out and global_step % every == 0 and not last_step
             if held_out_due:
                 with ema_weights(ema_model, model.parameters()):
                     shown = log_held_out_loss(
@@ -444,7 +437,6 @@ def main(args):
                     )
             last_epoch = epoch == num_epochs - 1 or last_step
             images_due = epoch_end and (epoch % args.save_images_epochs == 0 or last_epoch)
-            # A row per class, from the same noise each time, so that progress shows.
             if images_due and accelerator.is_main_process:
                 log_validation(
                     accelerator,
@@ -456,7 +448,8 @@ def main(args):
                     len(names),
                     global_step,
                 )
-            # A signal to any process stops them all at the same step, after validation.
+            # A signal to any process stops them all at the same step, after validation (at steps
+            # that read the loss or the held-out loss: the check makes the processes wait).
             if (read or held_out_due) and stop_requested(accelerator):
                 stop_run(accelerator, args, f"Stopped at step {global_step}", global_step)
             if save:
@@ -591,6 +584,21 @@ def open_image(item):
     return image.convert("RGB")
 
 
+def cache_latents(accelerator, args, splits, encode, made_by):
+    """Every split's pictures through encode once, written by the main process, then read by the
+    others. datasets cannot fingerprint the VAE: the cache is named by what makes the latents."""
+    with accelerator.main_process_first():
+        for name, split in splits.items():
+            splits[name] = split.map(
+                encode,
+                batched=True,
+                batch_size=args.train_batch_size,
+                remove_columns=args.image_column,
+                new_fingerprint=Hasher.hash([split._fingerprint, *made_by]),
+            )
+    return splits
+
+
 def encode_latents(examples, args, augment, vae):
     """Each image's VAE posterior, mean and log-variance, of both sides if flipping: each step
     still draws its own latent z_0 = μ + σ·n. Raw float32 bytes, fast to read."""
@@ -715,7 +723,7 @@ def log_held_out_loss(accelerator, held_out, picture_loss, model, global_step):
     return {"val_loss": logs["val_loss"]}
 
 
-@contextmanager
+@contextlib.contextmanager
 def ema_weights(ema_model, parameters):
     """The EMA's weights in `parameters` within the block, if there is an EMA; then the trained
     ones again."""
@@ -872,7 +880,7 @@ def process_group_kwargs():
     return InitProcessGroupKwargs(backend="gloo" if cpus else None, timeout=timedelta(hours=2))
 
 
-@contextmanager
+@contextlib.contextmanager
 def as_one_line(flag):
     """A library's error, re-raised as one line that names the flag or file it came from."""
     try:
@@ -893,8 +901,20 @@ def start_run(accelerator, args):
     handle_signals(accelerator, args, at_once=True)
     if accelerator.is_main_process:
         Path(args.output_dir, "stopped").unlink(missing_ok=True)
-    # Workers ignore SIGTERM (ignore_signals), so multiprocessing's own exit would wait on them.
-    atexit.register(lambda: [worker.kill() for worker in multiprocessing.active_children()])
+    atexit.register(kill_workers)
+
+
+def kill_workers():
+    """At exit: DataLoader workers ignore SIGTERM (ignore_signals), so multiprocessing's own exit
+    would wait on them forever. Without torch's SIGCHLD handler first, which raises once a worker
+    has died (and may have fired once more as this began)."""
+    for attempt in range(2):
+        with contextlib.suppress(RuntimeError):
+            if hasattr(signal, "SIGCHLD"):
+                signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+            for worker in multiprocessing.active_children():
+                worker.kill()
+            return
 
 
 def handle_signals(accelerator, args, at_once):

@@ -11,6 +11,7 @@ and trains only A and B. Rank 4 on SD 1.5's attention: 0.8 M parameters, not the
 
 import argparse
 import atexit
+import contextlib
 import logging
 import math
 import multiprocessing
@@ -24,7 +25,6 @@ import textwrap
 import time
 import warnings
 from collections import Counter
-from contextlib import contextmanager
 from dataclasses import replace
 from datetime import timedelta
 from functools import partial
@@ -202,9 +202,12 @@ def main(args):
     # The schedule of the forward process, as the base model was trained with.
     noise_scheduler = DDPMScheduler.from_config(base.scheduler.config)
     tokenizer, text_encoder, vae, unet = base.tokenizer, base.text_encoder, base.vae, base.unet
-    # ε or v, as the saved scheduler will say.
+    # --prediction_type: what the UNet learns to predict, ε or v; the saved scheduler says it.
     if args.prediction_type is not None:
         noise_scheduler.register_to_config(prediction_type=args.prediction_type)
+    # Validation samples with the base pipeline, which holds the very modules that train (no
+    # second copy, none cast), and DPM-Solver++ in 20-odd steps, not DDPM's 1,000.
+    base.scheduler = DPMSolverMultistepScheduler.from_config(noise_scheduler.config)
     # All three are frozen, in the mixed-precision dtype: half the memory.
     dtypes = {"fp16": torch.float16, "bf16": torch.bfloat16}
     weight_dtype = dtypes.get(accelerator.mixed_precision, torch.float32)
@@ -225,7 +228,8 @@ def main(args):
         # peft's own call, without transformers' gate on peft's version (docs/reference.md).
         inject_adapter_in_model(replace(lora_config, target_modules=clip_targets), text_encoder)
     trained = [unet, text_encoder] if args.train_text_encoder else [unet]
-    # A and B in fp32: fp16 gradients could not be unscaled, bf16 updates of 1e-4 would round away.
+    # A and B in fp32: fp16 gradients could not be unscaled, bf16 updates of 1e-4 would round away
+    # (under bf16, section 5 keeps fp32 masters of bf16 copies).
     cast_training_params(trained, dtype=torch.float32)
     lora_params = [p for m in trained for p in m.parameters() if p.requires_grad]
     if args.gradient_checkpointing:
@@ -246,10 +250,9 @@ def main(args):
         splits = load_datasets(args, args.image_column)
     if args.instance_prompt is None and args.caption_column not in splits["train"].column_names:
         # kohya's layout: a caption file beside each image (0001.png, 0001.txt).
-        read = partial(read_caption, args=args)
         way_out = "give --instance_prompt (one prompt for all) or a caption file beside each image"
         with as_one_line(f"no column {args.caption_column!r} (--caption_column); {way_out}"):
-            splits = splits.map(read, input_columns=args.image_column)
+            splits = splits.map(partial(read_caption, args=args), input_columns=args.image_column)
     warn_of_long_captions(args, splits["train"], tokenizer)
     # Aspect-ratio buckets: each image trains at the size (height, width) of the bucket nearest its
     # aspect ratio, so that a portrait or a panorama is not cut to a square.
@@ -276,24 +279,14 @@ def main(args):
         encode = partial(
             encode_latents, args=args, to_tensor=to_tensor, bucket_sizes=bucket_sizes, vae=vae
         )
-        # datasets cannot fingerprint the VAE itself: the cache is named by what makes the latents.
+        # What the latents depend on names the cache (datasets cannot fingerprint the VAE).
         made_by = [base_path, args.revision, args.variant, vae.dtype, bucket_sizes]
         made_by += [args.image_interpolation_mode, args.random_flip]
-        # The main process writes the cache; the others then read its files.
-        with accelerator.main_process_first():
-            for name, split in splits.items():
-                splits[name] = split.map(
-                    encode,
-                    batched=True,
-                    batch_size=args.train_batch_size,
-                    remove_columns=args.image_column,
-                    new_fingerprint=Hasher.hash([split._fingerprint, *made_by]),
-                )
+        splits = cache_latents(accelerator, args, splits, encode, made_by)
     train_dataset, held_out = splits["train"], splits.get("validation")
     if args.max_train_samples is not None:
-        count = min(args.max_train_samples, len(train_dataset))
         train_dataset = train_dataset.shuffle(seed=args.seed, keep_in_memory=True)
-        train_dataset = train_dataset.select(range(count))
+        train_dataset = train_dataset.select(range(min(args.max_train_samples, len(train_dataset))))
     # A cached latent's shape in each bucket: its μ and log σ², channel after channel.
     channels = 2 * vae.config.latent_channels
     latent_shapes = [
@@ -310,7 +303,7 @@ def main(args):
     # The held-out pictures keep epoch 0's crops and flips.
     if held_out:
         held_out.set_transform(partial(transform, epoch=0))
-    # Its own generator, not the global RNG: see preprocess.
+    # Its own generator: each epoch's shuffle would draw from the global RNG of ε and t.
     generator = torch.Generator().manual_seed(args.seed)
     loader_args = dict(batch_size=args.train_batch_size, shuffle=True)
     if args.aspect_ratio_buckets:
@@ -349,8 +342,8 @@ def main(args):
         weight_decay=args.adam_weight_decay,
         eps=args.adam_epsilon,
     )
-    # Before each step a hook copies the gradients of the bf16 copies into the fp32 masters; after
-    # it, another copies the updated masters into the copies.
+    # Before each step a hook copies the gradients of the bf16 copies into the fp32 masters (they
+    # accumulate in bf16); after it, another rounds the updated masters into the copies.
     if master_params is not lora_params:
         grads = [torch.zeros_like(p) for p in master_params]
         optimizer.register_step_pre_hook(partial(to_masters, lora_params, master_params, grads))
@@ -385,6 +378,7 @@ def main(args):
         weights.clear()
 
     # models: the UNet, then the text encoder if it learns (none under DeepSpeed, which loads them).
+    # models is empty under DeepSpeed, which loads its own files.
     def load_model_hook(models, input_dir):
         if models:
             saved = load_file(f"{input_dir}/pytorch_lora_weights.safetensors")
@@ -408,9 +402,11 @@ def main(args):
     first_epoch = global_step // steps_per_epoch
     skip_batches = (global_step % steps_per_epoch) * accumulation
     hparams = {k: v for k, v in vars(args).items() if isinstance(v, (int, float, str))}
+    # The Diffusers LoRA example's project name.
     accelerator.init_trackers("text2image-fine-tune", config=hparams)
 
-    # 7. The training loop: Algorithm 1 of DDPM on latents, conditioned on the captions
+    # 7. The training loop: Algorithm 1 of DDPM on latents, conditioned on the captions; section 8
+    #    runs at the end of each step
     T = noise_scheduler.config.num_train_timesteps
 
     def diffusion_loss(unet, latents, noise, timesteps, encoder_hidden_states):
@@ -422,7 +418,8 @@ def main(args):
             target = noise
         else:
             target = noise_scheduler.get_velocity(latents, noise, timesteps)
-        # The prediction of the target, ε_θ(z_t, t, c) for ε; its input in the weights' dtype.
+        # The prediction of the target, ε_θ(z_t, t, c) for ε; its input in the mixed-precision
+        # dtype, which DeepSpeed keeps the weights in.
         inputs = noisy_latents.to(weight_dtype)
         model_output = unet(inputs, timesteps, encoder_hidden_states).sample
         # ‖target - prediction‖²: the simple loss (DDPM eq. 14), per image for Min-SNR-γ.
@@ -442,7 +439,6 @@ def main(args):
         timesteps = torch.tensor([int(fraction * T)], device=accelerator.device)
         return diffusion_loss(unwrap(unet), latents, noise, timesteps, encoder_hidden_states)
 
-    total_batch_size = args.train_batch_size * accelerator.num_processes * accumulation
     logger.info(f"{len(train_dataset)} images, {max_train_steps} steps of {total_batch_size}")
     progress_bar = tqdm(
         range(max_train_steps), initial=global_step, disable=not accelerator.is_local_main_process
@@ -452,7 +448,7 @@ def main(args):
     # The loss is summed on the device, read every 10 steps: a read makes the CPU wait.
     train_loss = 0.0
     logged_step = global_step
-    # The last held-out loss, shown beside the training loss.
+    # The last held-out loss: on the progress bar, and in the model card.
     shown = {}
     for epoch in range(first_epoch, num_epochs):
         unet.train()
@@ -523,9 +519,11 @@ def main(args):
                     )
 
             # 8. Validation, with the EMA weights if any: the held-out loss every
-            #    --validate_every_n_steps (the last one in 9), the prompts without and with the LoRA
-            validate_every = args.validate_every_n_steps or args.checkpointing_steps
-            held_out_due = held_out and global_step % validate_every == 0 and not last_step
+            #    --validate_every_n_steps (of the saved weights in 9), the prompts without and with
+            #    the LoRA at an epoch's end
+            # Without --validate_every_n_steps, at every checkpoint.
+            every = args.validate_every_n_steps or args.checkpointing_steps
+            held_out_due = held_out and global_step % every == 0 and not last_step
             if held_out_due:
                 with ema_weights(ema_model, lora_params):
                     shown = log_held_out_loss(
@@ -534,10 +532,9 @@ def main(args):
             last_epoch = epoch == num_epochs - 1 or last_step
             due = epoch_end and (epoch % args.validation_epochs == 0 or last_epoch)
             if args.validation_prompts and due and accelerator.is_main_process:
-                # The base pipeline holds the very modules that train: no second copy, none cast.
-                base.scheduler = DPMSolverMultistepScheduler.from_config(noise_scheduler.config)
                 log_validation(accelerator, args, base, ema_model, global_step, lora_params)
-            # A signal to any process stops them all at the same step, after validation.
+            # A signal to any process stops them all at the same step, after validation (at steps
+            # that read the loss or the held-out loss: the check makes the processes wait).
             if (read or held_out_due) and stop_requested(accelerator):
                 stop_run(accelerator, args, f"Stopped at step {global_step}", global_step)
             if save:
@@ -552,7 +549,8 @@ def main(args):
     if accelerator.is_main_process:
         if args.use_ema:
             ema_model.copy_to(master_params)
-        # The files take the masters: under bf16 (without DeepSpeed) the fp32 ones, not the copies.
+        # The files take the masters: under bf16 (without DeepSpeed) the fp32 ones, not the bf16
+        # copies; without masters, A and B themselves.
         for p, master in zip(lora_params, master_params):
             p.data = master.data
         # The UNet's LoRA, and the text encoder's if it learns.
@@ -729,6 +727,21 @@ class BucketBatches(torch.utils.data.BatchSampler):
         return sum(math.ceil(n / self.size) for n in Counter(self.buckets).values())
 
 
+def cache_latents(accelerator, args, splits, encode, made_by):
+    """Every split's pictures through encode once, written by the main process, then read by the
+    others. datasets cannot fingerprint the VAE: the cache is named by what makes the latents."""
+    with accelerator.main_process_first():
+        for name, split in splits.items():
+            splits[name] = split.map(
+                encode,
+                batched=True,
+                batch_size=args.train_batch_size,
+                remove_columns=args.image_column,
+                new_fingerprint=Hasher.hash([split._fingerprint, *made_by]),
+            )
+    return splits
+
+
 def encode_latents(examples, args, to_tensor, bucket_sizes, vae):
     """Each image's VAE posterior, mean and log-variance, of both sides if flipping: each step
     still draws its own latent z_0 = μ + σ·n. Raw float32 bytes, fast to read."""
@@ -892,7 +905,7 @@ def log_held_out_loss(accelerator, held_out, picture_loss, model, global_step):
     return {"val_loss": logs["val_loss"]}
 
 
-@contextmanager
+@contextlib.contextmanager
 def ema_weights(ema_model, parameters):
     """The EMA's weights in `parameters` within the block, if there is an EMA; then the trained
     ones again."""
@@ -1041,7 +1054,7 @@ def process_group_kwargs():
     return InitProcessGroupKwargs(backend="gloo" if cpus else None, timeout=timedelta(hours=2))
 
 
-@contextmanager
+@contextlib.contextmanager
 def as_one_line(flag):
     """A library's error, re-raised as one line that names the flag or file it came from."""
     try:
@@ -1062,8 +1075,20 @@ def start_run(accelerator, args):
     handle_signals(accelerator, args, at_once=True)
     if accelerator.is_main_process:
         Path(args.output_dir, "stopped").unlink(missing_ok=True)
-    # Workers ignore SIGTERM (ignore_signals), so multiprocessing's own exit would wait on them.
-    atexit.register(lambda: [worker.kill() for worker in multiprocessing.active_children()])
+    atexit.register(kill_workers)
+
+
+def kill_workers():
+    """At exit: DataLoader workers ignore SIGTERM (ignore_signals), so multiprocessing's own exit
+    would wait on them forever. Without torch's SIGCHLD handler first, which raises once a worker
+    has died (and may have fired once more as this began)."""
+    for attempt in range(2):
+        with contextlib.suppress(RuntimeError):
+            if hasattr(signal, "SIGCHLD"):
+                signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+            for worker in multiprocessing.active_children():
+                worker.kill()
+            return
 
 
 def handle_signals(accelerator, args, at_once):

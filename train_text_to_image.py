@@ -12,6 +12,7 @@ caption into the states c that the UNet reads through cross-attention, so the UN
 
 import argparse
 import atexit
+import contextlib
 import logging
 import math
 import multiprocessing
@@ -25,7 +26,6 @@ import textwrap
 import time
 import warnings
 from collections import Counter
-from contextlib import contextmanager
 from datetime import timedelta
 from functools import partial
 from pathlib import Path
@@ -179,12 +179,12 @@ def main(args):
     held_out_flag = args.validation_split or args.validation_data_dir
     if sharded and (args.use_ema or held_out_flag or not deepspeed_plugin.zero3_save_16bit_model):
         raise SystemExit(
-            "error: ZeRO-3 needs --zero3_save_16bit_model true, no --use_ema, no held-out loss"
+            "error: ZeRO-3 needs `--zero3_save_16bit_model true`, no --use_ema, no held-out loss"
         )
     logging.basicConfig(level=logging.INFO)
     # What a real launch needs beside the lesson: "Running for real", at the end of the file.
     start_run(accelerator, args)
-    # The same initial weights on every process.
+    # The same random draws on every process until section 5 (all weights come from the base).
     set_seed(args.seed)
     torch.backends.cuda.matmul.allow_tf32 = args.allow_tf32
     if args.push_to_hub and accelerator.is_main_process:
@@ -211,9 +211,12 @@ def main(args):
     # The schedule of the forward process, as the base model was trained with.
     noise_scheduler = DDPMScheduler.from_config(base.scheduler.config)
     tokenizer, text_encoder, vae, unet = base.tokenizer, base.text_encoder, base.vae, base.unet
-    # ε or v, as the saved scheduler will say.
+    # --prediction_type: what the UNet learns to predict, ε or v; the saved scheduler says it.
     if args.prediction_type is not None:
         noise_scheduler.register_to_config(prediction_type=args.prediction_type)
+    # Validation samples with the base pipeline, which holds the very modules that train (no
+    # second copy, none cast), and DPM-Solver++ in 20-odd steps, not DDPM's 1,000.
+    base.scheduler = DPMSolverMultistepScheduler.from_config(noise_scheduler.config)
     # Only the UNet learns. It keeps fp32 weights for the optimizer, and autocast (or DeepSpeed)
     # runs it in the mixed-precision dtype, the dtype of the frozen models.
     dtypes = {"fp16": torch.float16, "bf16": torch.bfloat16}
@@ -234,10 +237,9 @@ def main(args):
         splits = load_datasets(args, args.image_column)
     if args.instance_prompt is None and args.caption_column not in splits["train"].column_names:
         # kohya's layout: a caption file beside each image (0001.png, 0001.txt).
-        read = partial(read_caption, args=args)
         way_out = "give --instance_prompt (one prompt for all) or a caption file beside each image"
         with as_one_line(f"no column {args.caption_column!r} (--caption_column); {way_out}"):
-            splits = splits.map(read, input_columns=args.image_column)
+            splits = splits.map(partial(read_caption, args=args), input_columns=args.image_column)
     warn_of_long_captions(args, splits["train"], tokenizer)
     # Aspect-ratio buckets: each image trains at the size (height, width) of the bucket nearest its
     # aspect ratio, so that a portrait or a panorama is not cut to a square.
@@ -264,24 +266,14 @@ def main(args):
         encode = partial(
             encode_latents, args=args, to_tensor=to_tensor, bucket_sizes=bucket_sizes, vae=vae
         )
-        # datasets cannot fingerprint the VAE itself: the cache is named by what makes the latents.
+        # What the latents depend on names the cache (datasets cannot fingerprint the VAE).
         made_by = [base_path, args.revision, args.variant, vae.dtype, bucket_sizes]
         made_by += [args.image_interpolation_mode, args.random_flip]
-        # The main process writes the cache; the others then read its files.
-        with accelerator.main_process_first():
-            for name, split in splits.items():
-                splits[name] = split.map(
-                    encode,
-                    batched=True,
-                    batch_size=args.train_batch_size,
-                    remove_columns=args.image_column,
-                    new_fingerprint=Hasher.hash([split._fingerprint, *made_by]),
-                )
+        splits = cache_latents(accelerator, args, splits, encode, made_by)
     train_dataset, held_out = splits["train"], splits.get("validation")
     if args.max_train_samples is not None:
-        count = min(args.max_train_samples, len(train_dataset))
         train_dataset = train_dataset.shuffle(seed=args.seed, keep_in_memory=True)
-        train_dataset = train_dataset.select(range(count))
+        train_dataset = train_dataset.select(range(min(args.max_train_samples, len(train_dataset))))
     # A cached latent's shape in each bucket: its μ and log σ², channel after channel.
     channels = 2 * vae.config.latent_channels
     latent_shapes = [
@@ -298,7 +290,7 @@ def main(args):
     # The held-out pictures keep epoch 0's crops and flips.
     if held_out:
         held_out.set_transform(partial(transform, epoch=0))
-    # Its own generator, not the global RNG: see preprocess.
+    # Its own generator: each epoch's shuffle would draw from the global RNG of ε and t.
     generator = torch.Generator().manual_seed(args.seed)
     loader_args = dict(batch_size=args.train_batch_size, shuffle=True)
     if args.aspect_ratio_buckets:
@@ -357,6 +349,7 @@ def main(args):
         # Saved above: accelerate must not store them again.
         weights.clear()
 
+    # models is empty under DeepSpeed, which loads its own files.
     def load_model_hook(models, input_dir):
         if models:
             loaded = UNet2DConditionModel.from_pretrained(input_dir, subfolder="unet")
@@ -364,7 +357,7 @@ def main(args):
 
     accelerator.register_save_state_pre_hook(save_model_hook)
     accelerator.register_load_state_pre_hook(load_model_hook)
-    # The EMA's state as it is: EMAModel.save_pretrained draws from the CPU's RNG (guide 2).
+    # The EMA too, so that a resume goes on with the same average (as its state: guide 2).
     if args.use_ema:
         accelerator.register_for_checkpointing(ema_model)
     global_step = resume_from_checkpoint(accelerator, args)
@@ -376,7 +369,8 @@ def main(args):
     hparams = {k: v for k, v in vars(args).items() if isinstance(v, (int, float, str))}
     accelerator.init_trackers(args.tracker_project_name, config=hparams)
 
-    # 7. The training loop: Algorithm 1 of DDPM on latents, conditioned on the captions
+    # 7. The training loop: Algorithm 1 of DDPM on latents, conditioned on the captions; section 8
+    #    runs at the end of each step
     T = noise_scheduler.config.num_train_timesteps
 
     def diffusion_loss(unet, latents, noise, timesteps, encoder_hidden_states, perturbation=0):
@@ -389,7 +383,8 @@ def main(args):
             target = noise
         else:
             target = noise_scheduler.get_velocity(latents, noise, timesteps)
-        # The prediction of the target, ε_θ(z_t, t, c) for ε; its input in the weights' dtype.
+        # The prediction of the target, ε_θ(z_t, t, c) for ε; its input in the mixed-precision
+        # dtype, which DeepSpeed keeps the weights in.
         inputs = noisy_latents.to(weight_dtype)
         model_output = unet(inputs, timesteps, encoder_hidden_states).sample
         # ‖target - prediction‖²: the simple loss (DDPM eq. 14), per image for Min-SNR-γ.
@@ -409,7 +404,6 @@ def main(args):
         timesteps = torch.tensor([int(fraction * T)], device=accelerator.device)
         return diffusion_loss(unwrap(unet), latents, noise, timesteps, encoder_hidden_states)
 
-    total_batch_size = args.train_batch_size * accelerator.num_processes * accumulation
     logger.info(f"{len(train_dataset)} images, {max_train_steps} steps of {total_batch_size}")
     progress_bar = tqdm(
         range(max_train_steps), initial=global_step, disable=not accelerator.is_local_main_process
@@ -419,7 +413,7 @@ def main(args):
     # The loss is summed on the device, read every 10 steps: a read makes the CPU wait.
     train_loss = 0.0
     logged_step = global_step
-    # The last held-out loss, shown beside the training loss.
+    # The last held-out loss: on the progress bar, and in the model card.
     shown = {}
     for epoch in range(first_epoch, num_epochs):
         unet.train()
@@ -437,7 +431,7 @@ def main(args):
             with accelerator.accumulate(unet):
                 # z_0 ~ q(z_0): a batch of training images' latents.
                 latents = sample_latents(vae, batch, args)
-                # c: the caption's encoder states (autograd records them only if a weight learns).
+                # c: the caption's encoder states, from the frozen CLIP text encoder.
                 encoder_hidden_states = text_encoder(batch["input_ids"])[0]
                 # ε ~ N(0, I): the noise to mix in.
                 noise = torch.randn_like(latents)
@@ -496,9 +490,10 @@ def main(args):
                     )
 
             # 8. Validation, with the EMA weights if any: the held-out loss every
-            #    --validate_every_n_steps (the last one in 9), the prompts at an epoch's end
-            validate_every = args.validate_every_n_steps or args.checkpointing_steps
-            held_out_due = held_out and global_step % validate_every == 0 and not last_step
+            #    --validate_every_n_steps (of the saved weights in 9), the prompts at an epoch's end
+            # Without --validate_every_n_steps, at every checkpoint.
+            every = args.validate_every_n_steps or args.checkpointing_steps
+            held_out_due = held_out and global_step % every == 0 and not last_step
             if held_out_due:
                 with ema_weights(ema_model, unet.parameters()):
                     shown = log_held_out_loss(
@@ -508,10 +503,9 @@ def main(args):
             due = epoch_end and (epoch % args.validation_epochs == 0 or last_epoch)
             # Under ZeRO-3 every process runs the UNet, of which each holds a part.
             if args.validation_prompts and due and (accelerator.is_main_process or sharded):
-                # The base pipeline holds the very modules that train: no second copy, none cast.
-                base.scheduler = DPMSolverMultistepScheduler.from_config(noise_scheduler.config)
                 log_validation(accelerator, args, base, ema_model, global_step)
-            # A signal to any process stops them all at the same step, after validation.
+            # A signal to any process stops them all at the same step, after validation (at steps
+            # that read the loss or the held-out loss: the check makes the processes wait).
             if (read or held_out_due) and stop_requested(accelerator):
                 stop_run(accelerator, args, f"Stopped at step {global_step}", global_step)
             if save:
@@ -526,6 +520,7 @@ def main(args):
     # On every process: under ZeRO-3 each sends its part of the weights.
     unet_weights = accelerator.get_state_dict(unet)
     if accelerator.is_main_process:
+        # A fresh UNet for the gathered weights, with the EMA's if any, not the one that trains.
         trained_unet = UNet2DConditionModel.from_config(unwrap(unet).config)
         trained_unet.load_state_dict(unet_weights)
         if args.use_ema:
@@ -711,6 +706,21 @@ class BucketBatches(torch.utils.data.BatchSampler):
         return sum(math.ceil(n / self.size) for n in Counter(self.buckets).values())
 
 
+def cache_latents(accelerator, args, splits, encode, made_by):
+    """Every split's pictures through encode once, written by the main process, then read by the
+    others. datasets cannot fingerprint the VAE: the cache is named by what makes the latents."""
+    with accelerator.main_process_first():
+        for name, split in splits.items():
+            splits[name] = split.map(
+                encode,
+                batched=True,
+                batch_size=args.train_batch_size,
+                remove_columns=args.image_column,
+                new_fingerprint=Hasher.hash([split._fingerprint, *made_by]),
+            )
+    return splits
+
+
 def encode_latents(examples, args, to_tensor, bucket_sizes, vae):
     """Each image's VAE posterior, mean and log-variance, of both sides if flipping: each step
     still draws its own latent z_0 = μ + σ·n. Raw float32 bytes, fast to read."""
@@ -856,7 +866,7 @@ def log_held_out_loss(accelerator, held_out, picture_loss, model, global_step):
     return {"val_loss": logs["val_loss"]}
 
 
-@contextmanager
+@contextlib.contextmanager
 def ema_weights(ema_model, parameters):
     """The EMA's weights in `parameters` within the block, if there is an EMA; then the trained
     ones again."""
@@ -976,7 +986,7 @@ def process_group_kwargs():
     return InitProcessGroupKwargs(backend="gloo" if cpus else None, timeout=timedelta(hours=2))
 
 
-@contextmanager
+@contextlib.contextmanager
 def as_one_line(flag):
     """A library's error, re-raised as one line that names the flag or file it came from."""
     try:
@@ -997,8 +1007,20 @@ def start_run(accelerator, args):
     handle_signals(accelerator, args, at_once=True)
     if accelerator.is_main_process:
         Path(args.output_dir, "stopped").unlink(missing_ok=True)
-    # Workers ignore SIGTERM (ignore_signals), so multiprocessing's own exit would wait on them.
-    atexit.register(lambda: [worker.kill() for worker in multiprocessing.active_children()])
+    atexit.register(kill_workers)
+
+
+def kill_workers():
+    """At exit: DataLoader workers ignore SIGTERM (ignore_signals), so multiprocessing's own exit
+    would wait on them forever. Without torch's SIGCHLD handler first, which raises once a worker
+    has died (and may have fired once more as this began)."""
+    for attempt in range(2):
+        with contextlib.suppress(RuntimeError):
+            if hasattr(signal, "SIGCHLD"):
+                signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+            for worker in multiprocessing.active_children():
+                worker.kill()
+            return
 
 
 def handle_signals(accelerator, args, at_once):

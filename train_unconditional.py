@@ -12,6 +12,7 @@ x_t = √ᾱ_t·x_0 + √(1-ᾱ_t)·ε, and a gradient step on ‖ε - ε_θ(x_t
 
 import argparse
 import atexit
+import contextlib
 import logging
 import math
 import multiprocessing
@@ -24,7 +25,6 @@ import sys
 import textwrap
 import time
 import warnings
-from contextlib import contextmanager
 from datetime import timedelta
 from functools import partial
 from pathlib import Path
@@ -211,7 +211,7 @@ def main(args):
         batch_size=args.train_batch_size,
         shuffle=True,
         num_workers=args.dataloader_num_workers,
-        # Its own generator, not the global RNG: see preprocess.
+        # Its own generator: each epoch's shuffle would draw from the global RNG of ε and t.
         generator=torch.Generator().manual_seed(args.seed),
         worker_init_fn=ignore_signals,
     )
@@ -254,6 +254,7 @@ def main(args):
         # Saved above: accelerate must not store them again.
         weights.clear()
 
+    # models is empty under DeepSpeed, which loads its own files.
     def load_model_hook(models, input_dir):
         if models:
             loaded = UNet2DModel.from_pretrained(input_dir, subfolder="unet")
@@ -261,7 +262,7 @@ def main(args):
 
     accelerator.register_save_state_pre_hook(save_model_hook)
     accelerator.register_load_state_pre_hook(load_model_hook)
-    # The EMA's state as it is: EMAModel.save_pretrained draws from the CPU's RNG (guide 2).
+    # The EMA too, so that a resume goes on with the same average (as its state: guide 2).
     if args.use_ema:
         accelerator.register_for_checkpointing(ema_model)
     global_step = resume_from_checkpoint(accelerator, args)
@@ -273,7 +274,7 @@ def main(args):
     hparams = {k: v for k, v in vars(args).items() if isinstance(v, (int, float, str))}
     accelerator.init_trackers("train_unconditional", config=hparams)
 
-    # 7. The training loop: Algorithm 1 of DDPM
+    # 7. The training loop: Algorithm 1 of DDPM; section 8 runs at the end of each step
     T = noise_scheduler.config.num_train_timesteps
 
     def diffusion_loss(model, clean_images, noise, timesteps):
@@ -287,7 +288,8 @@ def main(args):
             target = noise_scheduler.get_velocity(clean_images, noise, timesteps)
         else:
             target = clean_images
-        # The prediction of the target, ε_θ(x_t, t) for ε; its input in the weights' dtype.
+        # The prediction of the target, ε_θ(x_t, t) for ε; its input in the mixed-precision
+        # dtype, which DeepSpeed keeps the weights in.
         model_output = model(noisy_images.to(weight_dtype), timesteps).sample
         # ‖target - prediction‖²: the simple loss (DDPM eq. 14), per image for Min-SNR-γ.
         loss = F.mse_loss(model_output.float(), target.float(), reduction="none")
@@ -313,7 +315,7 @@ def main(args):
     # The loss is summed on the device, read every 10 steps: a read makes the CPU wait.
     train_loss = 0.0
     logged_step = global_step
-    # The last held-out loss, shown beside the training loss.
+    # The last held-out loss: on the progress bar, and in the model card.
     shown = {}
     for epoch in range(first_epoch, num_epochs):
         model.train()
@@ -375,7 +377,8 @@ def main(args):
                     )
 
             # 8. Validation, EMA weights if any: the held-out loss every --validate_every_n_steps
-            #    (the last in 9); at an epoch's end, Algorithm 2 from the same noise each time
+            #    (of the saved weights in 9); at an epoch's end, Algorithm 2 from the same noise
+            # Without --validate_every_n_steps, at every checkpoint.
             every = args.validate_every_n_steps or args.checkpointing_steps
             held_out_due = held_out and global_step % every == 0 and not last_step
             if held_out_due:
@@ -389,7 +392,8 @@ def main(args):
                 log_validation(
                     accelerator, args, unwrap(model), ema_model, noise_scheduler, global_step
                 )
-            # A signal to any process stops them all at the same step, after validation.
+            # A signal to any process stops them all at the same step, after validation (at steps
+            # that read the loss or the held-out loss: the check makes the processes wait).
             if (read or held_out_due) and stop_requested(accelerator):
                 stop_run(accelerator, args, f"Stopped at step {global_step}", global_step)
             if save:
@@ -588,7 +592,7 @@ def log_held_out_loss(accelerator, held_out, picture_loss, model, global_step):
     return {"val_loss": logs["val_loss"]}
 
 
-@contextmanager
+@contextlib.contextmanager
 def ema_weights(ema_model, parameters):
     """The EMA's weights in `parameters` within the block, if there is an EMA; then the trained
     ones again."""
@@ -704,7 +708,7 @@ def process_group_kwargs():
     return InitProcessGroupKwargs(backend="gloo" if cpus else None, timeout=timedelta(hours=2))
 
 
-@contextmanager
+@contextlib.contextmanager
 def as_one_line(flag):
     """A library's error, re-raised as one line that names the flag or file it came from."""
     try:
@@ -725,8 +729,20 @@ def start_run(accelerator, args):
     handle_signals(accelerator, args, at_once=True)
     if accelerator.is_main_process:
         Path(args.output_dir, "stopped").unlink(missing_ok=True)
-    # Workers ignore SIGTERM (ignore_signals), so multiprocessing's own exit would wait on them.
-    atexit.register(lambda: [worker.kill() for worker in multiprocessing.active_children()])
+    atexit.register(kill_workers)
+
+
+def kill_workers():
+    """At exit: DataLoader workers ignore SIGTERM (ignore_signals), so multiprocessing's own exit
+    would wait on them forever. Without torch's SIGCHLD handler first, which raises once a worker
+    has died (and may have fired once more as this began)."""
+    for attempt in range(2):
+        with contextlib.suppress(RuntimeError):
+            if hasattr(signal, "SIGCHLD"):
+                signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+            for worker in multiprocessing.active_children():
+                worker.kill()
+            return
 
 
 def handle_signals(accelerator, args, at_once):

@@ -7,10 +7,12 @@ import shlex
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import REPO, run_script
 from test_held_out import scalars
 
 SD15 = "stable-diffusion-v1-5/stable-diffusion-v1-5"
+LORA = "pytorch_lora_weights.safetensors"
 
 
 def section():
@@ -61,7 +63,7 @@ def test_the_lora_command_makes_every_file_the_section_promises(tiny_sd_path, ph
     card = (out / "README.md").read_text()
     assert f"Fine-tuned from {tiny_sd_path}" in card and "Held-out loss of these weights: " in card
     assert "Num processes: 1" in card and "--aspect_ratio_buckets auto" in card
-    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-4"]  # the two newest
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-4"]
     assert (out / "checkpoint-2" / "pytorch_lora_weights.safetensors").exists()
     assert list((out / "samples").glob("step-*.png"))
     logged = scalars(out)  # one picture of ten held out, at t = T/2: quarter 2
@@ -72,6 +74,22 @@ def test_the_lora_command_makes_every_file_the_section_promises(tiny_sd_path, ph
     monkeypatch.chdir(tmp_path)
     exec(lines.replace('"cuda"', '"cpu"'), {})
     assert (tmp_path / "dog.png").exists()
+    # "The same command with --resume_from_checkpoint checkpoint-1000 --max_train_steps 1000 writes its files":
+    # here checkpoint-2, whose LoRA (bf16 copies of the fp32 masters the files hold) replaces the last one's.
+    from safetensors.torch import load_file
+
+    text = " ".join(section().split())
+    resume = re.search(r"the same command with `(--resume_from_checkpoint checkpoint-(\d+) --max_train_steps "
+                       r"(\d+))`", text)
+    assert resume[2] == resume[3]
+    step = dict(zip(["1000"], ["2"]))[resume[2]]
+    flags = commands()["train_lora.py"] + resume[1].replace(resume[2], step).split()
+    last = load_file(out / "my-lora.safetensors")
+    run_script("train_lora.py", rehearse(flags, tiny_sd_path, photos, out))
+    saved, kept = load_file(out / "pytorch_lora_weights.safetensors"), load_file(out / "checkpoint-2" / LORA)
+    assert saved.keys() == kept.keys() and all(torch.allclose(saved[k].float(), kept[k].float(), rtol=1e-2, atol=1e-3)
+                                               for k in saved)
+    assert any(not torch.equal(a, load_file(out / "my-lora.safetensors")[k]) for k, a in last.items())
 
 
 def test_the_full_fine_tune_command_saves_a_pipeline(tiny_sd_path, photos, tmp_path):

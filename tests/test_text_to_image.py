@@ -201,7 +201,7 @@ def test_max_train_samples_makes_an_epoch_shorter_and_scale_lr_multiplies(common
     ("corrupt_image", "error: image "),
     ("fp16_on_cpu", "error: --mixed_precision fp16 needs a GPU"),
     ("missing_checkpoint", "error: --resume_from_checkpoint "),
-    ("zero3", "error: ZeRO-3 needs --zero3_save_16bit_model true, no --use_ema, no held-out loss"),
+    ("zero3", "error: ZeRO-3 needs `--zero3_save_16bit_model true`, no --use_ema, no held-out loss"),
 ])
 def test_bad_input_is_one_clear_error(case, expected, tiny_sd_path, sd_folder, corrupt_folder, empty_folder, tmp_path,
                                       run_in_process, monkeypatch):

@@ -410,9 +410,8 @@ def main(args):
             read = global_step % 10 == 0 or save or epoch_end
             if read:
                 # The mean loss of the steps since the last read, over every process.
-                mean_loss = accelerator.reduce(train_loss, "mean").item() / (
-                    global_step - logged_step
-                )
+                steps = global_step - logged_step
+                mean_loss = accelerator.reduce(train_loss, "mean").item() / steps
                 logs = {"loss": mean_loss, "lr": lr_scheduler.get_last_lr()[0]}
                 progress_bar.set_postfix(**logs, **shown)
                 accelerator.log(logs, step=global_step)

@@ -377,7 +377,6 @@ def main(args):
         # Saved above: accelerate must not store them again.
         weights.clear()
 
-    # models: the UNet, then the text encoder if it learns (none under DeepSpeed, which loads them).
     # models is empty under DeepSpeed, which loads its own files.
     def load_model_hook(models, input_dir):
         if models:
@@ -478,8 +477,8 @@ def main(args):
                 # t ~ U{0, ..., T-1}: a timestep per image.
                 timesteps = torch.randint(0, T, (bsz,), device=device)
                 # z_t, the target, the prediction, ‖target - prediction‖², over the batch.
-                losses = diffusion_loss(unet, latents, noise, timesteps, encoder_hidden_states)
-                loss = losses.mean()
+                loss = diffusion_loss(unet, latents, noise, timesteps, encoder_hidden_states)
+                loss = loss.mean()
                 # ∇_θ of the loss, averaged over processes; clipped once every micro-batch is in.
                 accelerator.backward(loss)
                 if accelerator.sync_gradients:
@@ -503,9 +502,8 @@ def main(args):
             read = global_step % 10 == 0 or save or epoch_end
             if read:
                 # The mean loss of the steps since the last read, over every process.
-                mean_loss = accelerator.reduce(train_loss, "mean").item() / (
-                    global_step - logged_step
-                )
+                steps = global_step - logged_step
+                mean_loss = accelerator.reduce(train_loss, "mean").item() / steps
                 logs = {"loss": mean_loss, "lr": lr_scheduler.get_last_lr()[0]}
                 progress_bar.set_postfix(**logs, **shown)
                 accelerator.log(logs, step=global_step)
@@ -518,9 +516,8 @@ def main(args):
                         "checkpoint before it with a lower --learning_rate, or bf16 for fp16"
                     )
 
-            # 8. Validation, with the EMA weights if any: the held-out loss every
-            #    --validate_every_n_steps (of the saved weights in 9), the prompts without and with
-            #    the LoRA at an epoch's end
+            # 8. Validation, EMA weights if any: the held-out loss every --validate_every_n_steps
+            #    (of the saved weights in 9); the prompts without and with the LoRA
             # Without --validate_every_n_steps, at every checkpoint.
             every = args.validate_every_n_steps or args.checkpointing_steps
             held_out_due = held_out and global_step % every == 0 and not last_step

@@ -29,6 +29,7 @@ from dataclasses import replace
 from datetime import timedelta
 from functools import partial
 from pathlib import Path
+from types import SimpleNamespace
 
 import datasets
 import torch
@@ -394,6 +395,8 @@ def main(args):
     accelerator.register_for_checkpointing(torch.nn.ParameterList(master_params))
     if args.use_ema:
         accelerator.register_for_checkpointing(ema_model)
+    # The rows held out, which a resume compares with its checkpoint's.
+    accelerator.register_for_checkpointing(held_out_rows(args, splits))
     global_step = resume_from_checkpoint(accelerator, args)
     # The EMA goes to the device after the resume, which loads it on the CPU.
     if args.use_ema:
@@ -597,16 +600,43 @@ def load_datasets(args, *columns):
         )
         with as_one_line("--validation_data_dir: the training set's columns"):
             held_out = held_out.add_column("row", range(len(held_out)))
+            # Class folders: a held-out picture's label by its name, not its number.
+            for name, feature in splits["train"].features.items():
+                if isinstance(feature, datasets.ClassLabel):
+                    label2id = {label: i for i, label in enumerate(feature.names)}
+                    held_out = held_out.align_labels_with_mapping(label2id, name)
             splits["validation"] = held_out.cast(splits["train"].features)
-        # A picture in both would train.
-        paths = [
-            {os.path.realpath(x["path"]) for x in d[args.image_column]} for d in splits.values()
+        # A picture in both, by any name, would train.
+        files = [
+            {file_id(x["path"]): x["path"] for x in d[args.image_column]} for d in splits.values()
         ]
-        if paths[0] & paths[1]:
-            raise SystemExit(
-                f"error: --validation_data_dir: {min(paths[0] & paths[1])} also trains"
-            )
+        shared = files[0].keys() & files[1].keys() - {None}
+        if shared:
+            raise SystemExit(f"error: --validation_data_dir: {files[1][min(shared)]} also trains")
+    # Read now: a held-out picture that cannot be read stops the run before it trains.
+    if "validation" in splits:
+        for item in splits["validation"][args.image_column]:
+            open_image(item)
     return splits
+
+
+def file_id(path):
+    """The file's device and inode, the same for all of its names; None if there is none."""
+    return os.stat(path)[1:3] if path and os.path.isfile(path) else None
+
+
+def held_out_rows(args, splits):
+    """For checkpoints: the rows that --validation_split holds out. A resume whose split would hold
+    out a row its checkpoint trained on stops: that picture's loss would not be a held-out loss."""
+    rows = set(splits["validation"].with_format(None)["row"] if args.validation_split else [])
+
+    def load_state_dict(checkpoint_rows):
+        if rows - checkpoint_rows:
+            raise SystemExit(
+                "error: --validation_split, --seed: the checkpoint trained on held-out pictures"
+            )
+
+    return SimpleNamespace(state_dict=lambda: rows, load_state_dict=load_state_dict)
 
 
 def load_imagefolder(flag, folder, cache_dir):
@@ -1018,8 +1048,9 @@ def check_args(p, args, refused, ignored):
             print(f"note: --{flag} is ignored: {ignored[flag]}")
     if args.validate_every_n_steps and not (args.validation_split or args.validation_data_dir):
         p.error("--validate_every_n_steps needs --validation_split or --validation_data_dir")
-    if os.path.isfile(args.output_dir):
-        p.error(f"--output_dir {args.output_dir} is a file")
+    output_dir = Path(args.output_dir).absolute()
+    if any(folder.is_file() for folder in [output_dir, *output_dir.parents]):
+        p.error(f"--output_dir {args.output_dir}: a file is in the way")
 
 
 def count(text, least=1):
@@ -1070,8 +1101,6 @@ def start_run(accelerator, args):
     if accelerator.distributed_type == DistributedType.FSDP:
         raise SystemExit("error: launch with DDP or DeepSpeed, not FSDP")
     handle_signals(accelerator, args, at_once=True)
-    if accelerator.is_main_process:
-        Path(args.output_dir, "stopped").unlink(missing_ok=True)
     atexit.register(kill_workers)
 
 
@@ -1106,6 +1135,9 @@ def handle_signals(accelerator, args, at_once):
 
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, handler)
+    # Training starts: the file `stopped` of an earlier run goes.
+    if not at_once and accelerator.is_main_process:
+        Path(args.output_dir, "stopped").unlink(missing_ok=True)
 
 
 def ignore_signals(*worker_id):

@@ -20,6 +20,13 @@ def test_there_is_a_guide_per_script_in_the_reading_order():
                        "train_lora.py"]
 
 
+def test_the_readme_stays_short():
+    """At most 340 lines of at most 100 columns: the rest belongs in the guides and the reference."""
+    lines = (REPO / "README.md").read_text().splitlines()
+    assert len(lines) <= 340
+    assert [n for n, line in enumerate(lines, 1) if len(line) > 100] == []
+
+
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
 def test_relative_links_resolve(page):
     for target in LINK.findall(page.read_text()):

@@ -286,11 +286,12 @@ def test_a_prompt_cannot_break_out_of_the_card_and_the_card_records_the_launch(f
     assert (tmp_path / "sample.png").exists()
 
 
-@pytest.mark.parametrize("case", ["same_folder", "inside"])
+@pytest.mark.parametrize("case", ["same_folder", "inside", "hard_link"])
 def test_a_held_out_set_that_shares_a_picture_with_the_training_set_is_refused(case, folders, tmp_path,
                                                                              run_in_process, signal_handlers):
     """--dataset_name names a local folder, which --validation_data_dir names too; or the held-out folder lies
-    inside the training one, whose imagefolder takes every picture below it."""
+    inside the training one, whose imagefolder takes every picture below it; or it holds a training picture
+    under another name (a hard link: the same file)."""
     pictures = folders["pictures"]
     if case == "inside":
         pictures = tmp_path / "pictures"
@@ -300,6 +301,10 @@ def test_a_held_out_set_that_shares_a_picture_with_the_training_set_is_refused(c
     if case == "same_folder":
         args = [a if a != "--train_data_dir" else "--dataset_name" for a in args]
     held = pictures if case == "same_folder" else pictures / "held"
+    if case == "hard_link":
+        held = Path(write_imagefolder(tmp_path / "held", 3))
+        (held / "0000.png").unlink()
+        os.link(pictures / "0005.png", held / "0000.png")
     error = run_in_process("train_unconditional.py", args + ["--validation_data_dir", held])
     assert error.startswith("error: --validation_data_dir: ") and "also trains" in error and "\n" not in error
     assert not (tmp_path / "out").exists()
@@ -353,11 +358,75 @@ def test_a_held_out_folder_without_pictures_ends_in_one_line(case, folders, tmp_
     assert not (tmp_path / "out").exists()
 
 
-def test_an_output_dir_that_is_a_file_ends_in_one_line(tmp_path, capsys):
+@pytest.mark.parametrize("output_dir", ["out", "out/run"])
+def test_an_output_dir_that_is_or_lies_in_a_file_ends_in_one_line(output_dir, tmp_path, capsys):
     from conftest import import_script
 
     (tmp_path / "out").write_text("a file of the user's")
     with pytest.raises(SystemExit):
-        import_script("train_unconditional").parse_args(["--train_data_dir", "x", "--output_dir", str(tmp_path / "out")])
-    assert capsys.readouterr().err.strip().splitlines()[-1].endswith(f"error: --output_dir {tmp_path / 'out'} is a file")
+        import_script("train_unconditional").parse_args(["--train_data_dir", "x", "--output_dir",
+                                                         str(tmp_path / output_dir)])
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert error.endswith(f"error: --output_dir {tmp_path / output_dir}: a file is in the way")
     assert (tmp_path / "out").read_text() == "a file of the user's"
+
+
+def test_a_held_out_picture_that_cannot_be_read_stops_the_run_before_it_trains(folders, truncated, tmp_path,
+                                                                            run_in_process, signal_handlers):
+    """Named before the first step, not at the first held-out pass; an earlier run's file `stopped`, which a
+    scheduler reads, stays."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "stopped").write_text("Stopped at step 6")
+    args = script_args("train_unconditional.py", folders, out) + ["--validation_data_dir", truncated]
+    error = run_in_process("train_unconditional.py", args)
+    assert error.startswith(f"error: image {truncated / '0003.jpg'}: OSError") and "\n" not in error
+    assert sorted(p.name for p in out.iterdir()) == ["stopped"]
+    assert (out / "stopped").read_text() == "Stopped at step 6"
+
+
+def test_a_resume_that_would_hold_out_pictures_its_checkpoint_trained_on_is_refused(folders, tmp_path,
+                                                                                    run_in_process,
+                                                                                    signal_handlers):
+    """Another --validation_split or --seed holds out other rows, some trained on: the held-out loss would lie.
+    The same flags go on; so does a resume that holds out fewer pictures or none."""
+    out = tmp_path / "out"
+    args = script_args("train_unconditional.py", folders, out) + ["--checkpointing_steps", "2"]
+    train_in_process("train_unconditional.py", args + ["--max_train_steps", "2", "--validation_split", "0.25"])
+    resume = args + ["--max_train_steps", "4", "--resume_from_checkpoint", "latest"]
+    expected = "error: --validation_split, --seed: the checkpoint trained on held-out pictures"
+    assert run_in_process("train_unconditional.py", resume + ["--validation_split", "0.5"]) == expected
+    assert run_in_process("train_unconditional.py", resume + ["--validation_split", "0.25", "--seed", "1"]) == expected
+    train_in_process("train_unconditional.py", resume + ["--validation_split", "0.25"])
+    assert checkpoints(out) == ["checkpoint-2", "checkpoint-4"]
+    # checkpoint-4 trained on every picture: no split can hold one out of it.
+    train_in_process("train_unconditional.py", args + ["--max_train_steps", "6", "--resume_from_checkpoint", "latest"])
+    resume[resume.index("4")] = "8"
+    assert run_in_process("train_unconditional.py", resume + ["--validation_split", "0.25"]) == expected
+
+
+def test_held_out_pictures_stored_in_a_dataset_and_labelled_by_class_folders(folders, tmp_path, signal_handlers):
+    """A dataset whose pictures are bytes (as on the Hub) with a --validation_data_dir trains; a held-out folder
+    of class folders labels each picture by its folder's name, as the training set numbers that name."""
+    import datasets
+    from conftest import import_script
+
+    files = sorted(Path(folders["pictures"]).glob("*.png"))
+    stored = datasets.Dataset.from_dict({"image": [{"bytes": f.read_bytes(), "path": None} for f in files]})
+    stored.cast_column("image", datasets.Image()).to_parquet(tmp_path / "stored" / "train.parquet")
+    held = Path(write_imagefolder(tmp_path / "held", 2, columns=()))
+    args = script_args("train_unconditional.py", folders, tmp_path / "out")
+    args = [a if a != "--train_data_dir" else "--dataset_name" for a in args]
+    args[args.index(folders["pictures"])] = tmp_path / "stored"
+    train_in_process("train_unconditional.py", args + ["--max_train_steps", "2", "--validation_data_dir", held])
+    assert "Held-out loss of these weights" in (tmp_path / "out" / "README.md").read_text()
+    for name in ("a", "b", "c"):
+        write_imagefolder(tmp_path / "classes" / name, 2, columns=())
+    for name in ("c", "b"):
+        write_imagefolder(tmp_path / "held_classes" / name, 1, columns=())
+    dit = import_script("train_dit")
+    args = dit.parse_args(["--train_data_dir", str(tmp_path / "classes"), "--validation_data_dir",
+                           str(tmp_path / "held_classes"), "--model_config_name_or_path", "x"])
+    held_out = dit.load_datasets(args, "image", "label")["validation"]
+    labels = {Path(x["path"]).parent.name: label for x, label in zip(held_out["image"], held_out["label"])}
+    assert labels == {"b": 1, "c": 2}

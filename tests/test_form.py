@@ -26,10 +26,10 @@ CEILINGS = {
     "train_lora.py": (38_500, 50_000, 380),
 }
 SIZES_REACHED = {
-    "train_unconditional.py": (30_400, 40_300, 294),
-    "train_dit.py": (37_300, 50_400, 344),
-    "train_text_to_image.py": (41_600, 55_700, 393),
-    "train_lora.py": (44_200, 59_400, 416),
+    "train_unconditional.py": (31_600, 42_100, 296),
+    "train_dit.py": (38_600, 52_200, 346),
+    "train_text_to_image.py": (42_800, 57_500, 395),
+    "train_lora.py": (45_400, 61_200, 418),
 }
 BUDGETS = {script: SIZES_REACHED.get(script, ceiling) for script, ceiling in CEILINGS.items()}
 # The Diffusers examples the scripts follow, measured the same way (shared/reference/diffusers_examples, the

@@ -28,7 +28,6 @@ import warnings
 from datetime import timedelta
 from functools import partial
 from pathlib import Path
-from types import SimpleNamespace
 
 import datasets
 import torch
@@ -267,7 +266,7 @@ def main(args):
     if args.use_ema:
         accelerator.register_for_checkpointing(ema_model)
     # The rows held out, which a resume compares with its checkpoint's.
-    accelerator.register_for_checkpointing(held_out_rows(args, splits))
+    keep_held_out_rows(accelerator, args, splits)
     global_step = resume_from_checkpoint(accelerator, args)
     # The EMA goes to the device after the resume, which loads it on the CPU.
     if args.use_ema:
@@ -454,16 +453,15 @@ def load_datasets(args, *columns):
         )
         with as_one_line("--validation_data_dir: the training set's columns"):
             held_out = held_out.add_column("row", range(len(held_out)))
-            # Class folders: a held-out picture's label by its name, not its number.
+            # Class folders: a held-out picture's label by its folder's name, not its number.
             for name, feature in splits["train"].features.items():
-                if isinstance(feature, datasets.ClassLabel):
-                    label2id = {label: i for i, label in enumerate(feature.names)}
-                    held_out = held_out.align_labels_with_mapping(label2id, name)
+                held_out_names = getattr(held_out.features.get(name), "names", None)
+                if held_out_names and isinstance(feature, datasets.ClassLabel):
+                    labels = [feature.str2int(held_out_names[i]) for i in held_out[name]]
+                    held_out = held_out.remove_columns(name).add_column(name, labels)
             splits["validation"] = held_out.cast(splits["train"].features)
         # A picture in both, by any name, would train.
-        files = [
-            {file_id(x["path"]): x["path"] for x in d[args.image_column]} for d in splits.values()
-        ]
+        files = [{file_id(x): x["path"] for x in d[args.image_column]} for d in splits.values()]
         shared = files[0].keys() & files[1].keys() - {None}
         if shared:
             raise SystemExit(f"error: --validation_data_dir: {files[1][min(shared)]} also trains")
@@ -474,23 +472,32 @@ def load_datasets(args, *columns):
     return splits
 
 
-def file_id(path):
-    """The file's device and inode, the same for all of its names; None if there is none."""
-    return os.stat(path)[1:3] if path and os.path.isfile(path) else None
+def file_id(item):
+    """A picture's file: its device and inode, the same for all of its names; None for a picture
+    stored in the dataset."""
+    path = item["path"]
+    return os.stat(path)[1:3] if not item["bytes"] and os.path.isfile(path) else None
 
 
-def held_out_rows(args, splits):
-    """For checkpoints: the rows that --validation_split holds out. A resume whose split would hold
-    out a row its checkpoint trained on stops: that picture's loss would not be a held-out loss."""
-    rows = set(splits["validation"].with_format(None)["row"] if args.validation_split else [])
+def keep_held_out_rows(accelerator, args, splits):
+    """Each checkpoint keeps the rows that --validation_split holds out. A resume whose split would
+    hold out a row its checkpoint trained on stops: that picture's loss would not be held out."""
+    rows = sorted(splits["validation"].with_format(None)["row"]) if args.validation_split else []
 
-    def load_state_dict(checkpoint_rows):
-        if rows - checkpoint_rows:
+    def save_rows(models, weights, output_dir):
+        if accelerator.is_main_process:
+            torch.save(rows, f"{output_dir}/held_out_rows.pt")
+
+    # A checkpoint of an earlier version of the script has no such file.
+    def check_rows(models, input_dir):
+        saved = f"{input_dir}/held_out_rows.pt"
+        if os.path.exists(saved) and set(rows) - set(torch.load(saved)):
             raise SystemExit(
                 "error: --validation_split, --seed: the checkpoint trained on held-out pictures"
             )
 
-    return SimpleNamespace(state_dict=lambda: rows, load_state_dict=load_state_dict)
+    accelerator.register_save_state_pre_hook(save_rows)
+    accelerator.register_load_state_pre_hook(check_rows)
 
 
 def load_imagefolder(flag, folder, cache_dir):
@@ -790,11 +797,11 @@ def handle_signals(accelerator, args, at_once):
                 stop_run(accelerator, args, why)
             accelerator.set_trigger()
 
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, handler)
-    # Training starts: the file `stopped` of an earlier run goes.
+    # Training starts: the file `stopped` of an earlier run goes, before a signal can write it.
     if not at_once and accelerator.is_main_process:
         Path(args.output_dir, "stopped").unlink(missing_ok=True)
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, handler)
 
 
 def ignore_signals(*worker_id):

@@ -399,34 +399,45 @@ def test_a_resume_that_would_hold_out_pictures_its_checkpoint_trained_on_is_refu
     assert run_in_process("train_unconditional.py", resume + ["--validation_split", "0.25", "--seed", "1"]) == expected
     train_in_process("train_unconditional.py", resume + ["--validation_split", "0.25"])
     assert checkpoints(out) == ["checkpoint-2", "checkpoint-4"]
-    # checkpoint-4 trained on every picture: no split can hold one out of it.
+    # checkpoint-6 trained on every picture: no split can hold one out of it.
     train_in_process("train_unconditional.py", args + ["--max_train_steps", "6", "--resume_from_checkpoint", "latest"])
     resume[resume.index("4")] = "8"
     assert run_in_process("train_unconditional.py", resume + ["--validation_split", "0.25"]) == expected
+    # A checkpoint of an earlier version of the script, which kept no rows, is taken at its word.
+    (out / "checkpoint-6" / "held_out_rows.pt").unlink()
+    train_in_process("train_unconditional.py", resume + ["--validation_split", "0.25"])
+    assert checkpoints(out) == ["checkpoint-2", "checkpoint-4", "checkpoint-6", "checkpoint-8"]
 
 
-def test_held_out_pictures_stored_in_a_dataset_and_labelled_by_class_folders(folders, tmp_path, signal_handlers):
-    """A dataset whose pictures are bytes (as on the Hub) with a --validation_data_dir trains; a held-out folder
-    of class folders labels each picture by its folder's name, as the training set numbers that name."""
+def test_held_out_pictures_stored_in_a_dataset_and_labelled_by_class_folders(folders, tmp_path, monkeypatch,
+                                                                             signal_handlers):
+    """A dataset whose pictures are stored as bytes (as on the Hub), under names that the held-out folder's
+    pictures also have, trains with that folder held out; a held-out folder of class folders labels each picture
+    by its folder's name, exactly, as the training set numbers that name, and a class it lacks ends in one line."""
     import datasets
     from conftest import import_script
 
     files = sorted(Path(folders["pictures"]).glob("*.png"))
-    stored = datasets.Dataset.from_dict({"image": [{"bytes": f.read_bytes(), "path": None} for f in files]})
+    stored = datasets.Dataset.from_dict({"image": [{"bytes": f.read_bytes(), "path": f.name} for f in files]})
     stored.cast_column("image", datasets.Image()).to_parquet(tmp_path / "stored" / "train.parquet")
     held = Path(write_imagefolder(tmp_path / "held", 2, columns=()))
+    monkeypatch.chdir(held)  # where 0000.png and 0001.png name held-out files
     args = script_args("train_unconditional.py", folders, tmp_path / "out")
     args = [a if a != "--train_data_dir" else "--dataset_name" for a in args]
     args[args.index(folders["pictures"])] = tmp_path / "stored"
-    train_in_process("train_unconditional.py", args + ["--max_train_steps", "2", "--validation_data_dir", held])
+    train_in_process("train_unconditional.py", args + ["--max_train_steps", "2", "--validation_data_dir", "."])
     assert "Held-out loss of these weights" in (tmp_path / "out" / "README.md").read_text()
-    for name in ("a", "b", "c"):
+    for name in ("Cat", "cat", "dog"):
         write_imagefolder(tmp_path / "classes" / name, 2, columns=())
-    for name in ("c", "b"):
+    for name in ("dog", "Cat"):
         write_imagefolder(tmp_path / "held_classes" / name, 1, columns=())
+    write_imagefolder(tmp_path / "held_classes" / "bird", 1, columns=())
     dit = import_script("train_dit")
-    args = dit.parse_args(["--train_data_dir", str(tmp_path / "classes"), "--validation_data_dir",
-                           str(tmp_path / "held_classes"), "--model_config_name_or_path", "x"])
+    flags = ["--train_data_dir", str(tmp_path / "classes"), "--model_config_name_or_path", "x"]
+    with pytest.raises(SystemExit, match="^error: --validation_data_dir: .*class label bird$"):
+        dit.load_datasets(dit.parse_args(flags + ["--validation_data_dir", str(tmp_path / "held_classes")]))
+    shutil.rmtree(tmp_path / "held_classes" / "bird")
+    args = dit.parse_args(flags + ["--validation_data_dir", str(tmp_path / "held_classes")])
     held_out = dit.load_datasets(args, "image", "label")["validation"]
     labels = {Path(x["path"]).parent.name: label for x, label in zip(held_out["image"], held_out["label"])}
-    assert labels == {"b": 1, "c": 2}
+    assert labels == {"Cat": 0, "dog": 2}

@@ -58,7 +58,7 @@ def test_resume_is_exact(reference, common):
 def test_checkpoints_hold_the_lora_alone(reference):
     assert checkpoints(reference) == ["checkpoint-2", "checkpoint-4", "checkpoint-6"]
     assert sorted(p.name for p in (reference / "checkpoint-6").iterdir()) == [
-        "custom_checkpoint_0.pkl", "custom_checkpoint_1.pkl", "optimizer.bin", LORA, "random_states_0.pkl", "scheduler.bin"]
+        "custom_checkpoint_0.pkl", "custom_checkpoint_1.pkl", "held_out_rows.pt", "optimizer.bin", LORA, "random_states_0.pkl", "scheduler.bin"]
     lora = weights(reference / "checkpoint-6", LORA)
     assert all(".lora_A." in k or ".lora_B." in k for k in lora)  # no frozen weight
     assert sum(v.numel() for v in lora.values()) < 100_000

@@ -510,13 +510,14 @@ def load_datasets(args, *columns):
         held_out = load_imagefolder(
             "--validation_data_dir", args.validation_data_dir, args.cache_dir
         )
-        with as_one_line("--validation_data_dir: the training set's columns"):
+        with as_one_line("--validation_data_dir: the training set's columns and classes"):
             held_out = held_out.add_column("row", range(len(held_out)))
             # Class folders: a held-out picture's label by its folder's name, not its number.
             for name, feature in splits["train"].features.items():
                 held_out_names = getattr(held_out.features.get(name), "names", None)
-                if held_out_names and isinstance(feature, datasets.ClassLabel):
-                    labels = [feature.str2int(held_out_names[i]) for i in held_out[name]]
+                if held_out_names:
+                    names = getattr(feature, "names", [])
+                    labels = [names.index(held_out_names[i]) for i in held_out[name]]
                     held_out = held_out.remove_columns(name).add_column(name, labels)
             splits["validation"] = held_out.cast(splits["train"].features)
         # A picture in both, by any name, would train.

@@ -431,13 +431,24 @@ def test_held_out_pictures_stored_in_a_dataset_and_labelled_by_class_folders(fol
         write_imagefolder(tmp_path / "classes" / name, 2, columns=())
     for name in ("dog", "Cat"):
         write_imagefolder(tmp_path / "held_classes" / name, 1, columns=())
-    write_imagefolder(tmp_path / "held_classes" / "bird", 1, columns=())
     dit = import_script("train_dit")
     flags = ["--train_data_dir", str(tmp_path / "classes"), "--model_config_name_or_path", "x"]
-    with pytest.raises(SystemExit, match="^error: --validation_data_dir: .*class label bird$"):
-        dit.load_datasets(dit.parse_args(flags + ["--validation_data_dir", str(tmp_path / "held_classes")]))
-    shutil.rmtree(tmp_path / "held_classes" / "bird")
+    # A class the training set lacks, also one whose name reads as a label's number.
+    for lacking in ("bird", "0"):
+        write_imagefolder(tmp_path / "held_classes" / lacking, 1, columns=())
+        with pytest.raises(SystemExit, match=f"^error: --validation_data_dir: .*'{lacking}' is not in list$"):
+            dit.load_datasets(dit.parse_args(flags + ["--validation_data_dir", str(tmp_path / "held_classes")]))
+        shutil.rmtree(tmp_path / "held_classes" / lacking)
     args = dit.parse_args(flags + ["--validation_data_dir", str(tmp_path / "held_classes")])
     held_out = dit.load_datasets(args, "image", "label")["validation"]
     labels = {Path(x["path"]).parent.name: label for x, label in zip(held_out["image"], held_out["label"])}
     assert labels == {"Cat": 0, "dog": 2}
+    # Training labels that are numbers, not class folders: a held-out folder's class names cannot be matched.
+    numbered = dit.parse_args(["--train_data_dir", str(folders["pictures"]), "--model_config_name_or_path", "x",
+                               "--validation_data_dir", str(tmp_path / "held_classes")])
+    with pytest.raises(SystemExit, match="^error: --validation_data_dir: .*'Cat' is not in list$"):
+        dit.load_datasets(numbered, "image", "label")
+    # A single class folder: datasets gives it no label column, so it is refused as another format.
+    shutil.rmtree(tmp_path / "held_classes" / "Cat")
+    with pytest.raises(SystemExit, match="^error: --validation_data_dir: .* must be identical"):
+        dit.load_datasets(args, "image", "label")

@@ -181,7 +181,7 @@ def test_the_unconditional_card_says_it_was_trained_from_scratch(uncond_args, tm
 @pytest.mark.parametrize("case, expected", [
     ("all", "error: --validation_split: ValueError: With n_samples=12, test_size=0.99 and train_size=None, the "
             "resulting train set will be empty."),
-    ("other_format", "error: --validation_data_dir: the training set's columns: ValueError: The columns in features "
+    ("other_format", "error: --validation_data_dir: the training set's columns and classes: ValueError: The columns in features "
                      "(['image', 'text', 'label', 'row']) must be identical as the columns in the dataset: "
                      "['image', 'text', 'row']"),
     ("no_pictures", "error: --validation_data_dir {held}: no pictures in it"),

@@ -480,27 +480,6 @@ def file_id(item):
     return os.stat(path)[1:3] if not item["bytes"] and os.path.isfile(path) else None
 
 
-def keep_held_out_rows(accelerator, args, splits):
-    """Each checkpoint keeps the rows that --validation_split holds out. A resume whose split would
-    hold out a row its checkpoint trained on stops: that picture's loss would not be held out."""
-    rows = sorted(splits["validation"].with_format(None)["row"]) if args.validation_split else []
-
-    def save_rows(models, weights, output_dir):
-        if accelerator.is_main_process:
-            torch.save(rows, f"{output_dir}/held_out_rows.pt")
-
-    # A checkpoint of an earlier version of the script has no such file.
-    def check_rows(models, input_dir):
-        saved = f"{input_dir}/held_out_rows.pt"
-        if os.path.exists(saved) and set(rows) - set(torch.load(saved)):
-            raise SystemExit(
-                "error: --validation_split, --seed: the checkpoint trained on held-out pictures"
-            )
-
-    accelerator.register_save_state_pre_hook(save_rows)
-    accelerator.register_load_state_pre_hook(check_rows)
-
-
 def load_imagefolder(flag, folder, cache_dir):
     """Every picture under `folder`, with a metadata.jsonl's columns if it has one."""
     extensions = datasets.packaged_modules.imagefolder.ImageFolder.EXTENSIONS
@@ -593,6 +572,27 @@ def resume_from_checkpoint(accelerator, args):
         accelerator.load_state(checkpoint)
         logger.info(f"Resumed from {checkpoint}")
         return int(checkpoint.rsplit("-", 1)[1])
+
+
+def keep_held_out_rows(accelerator, args, splits):
+    """Each checkpoint keeps the rows that --validation_split holds out. A resume whose split would
+    hold out a row its checkpoint trained on stops: that picture's loss would not be held out."""
+    rows = sorted(splits["validation"].with_format(None)["row"]) if args.validation_split else []
+
+    def save_rows(models, weights, output_dir):
+        if accelerator.is_main_process:
+            torch.save(rows, f"{output_dir}/held_out_rows.pt")
+
+    # A checkpoint of an earlier version of the script has no such file.
+    def check_rows(models, input_dir):
+        saved = f"{input_dir}/held_out_rows.pt"
+        if os.path.exists(saved) and set(rows) - set(torch.load(saved)):
+            raise SystemExit(
+                "error: --validation_split, --seed: the checkpoint trained on held-out pictures"
+            )
+
+    accelerator.register_save_state_pre_hook(save_rows)
+    accelerator.register_load_state_pre_hook(check_rows)
 
 
 def min_snr_weights(noise_scheduler, timesteps, snr_gamma):
@@ -758,7 +758,7 @@ def as_one_line(flag):
 
 def start_run(accelerator, args):
     """Before the models load: refuse what cannot run; until the first step a signal ends the run
-    at once; the file `stopped` of an earlier run goes; DataLoader workers die with the process."""
+    at once; DataLoader workers die with the process."""
     if accelerator.mixed_precision == "fp16" and accelerator.device.type == "cpu":
         raise SystemExit("error: --mixed_precision fp16 needs a GPU; on a CPU use bf16 or no")
     if args.use_8bit_adam and accelerator.device.type == "mps":

@@ -27,7 +27,7 @@ CEILINGS = {
 }
 SIZES_REACHED = {
     "train_unconditional.py": (32_000, 42_600, 296),
-    "train_dit.py": (38_900, 52_700, 346),
+    "train_dit.py": (38_900, 52_600, 346),
     "train_text_to_image.py": (43_200, 58_000, 395),
     "train_lora.py": (45_800, 61_700, 418),
 }

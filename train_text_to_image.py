@@ -37,8 +37,7 @@ import torchvision
 from accelerate import Accelerator, DistributedType
 from accelerate.logging import get_logger
 from accelerate.utils import DataLoaderConfiguration, InitProcessGroupKwargs, ProjectConfiguration
-from accelerate.utils import gather_object, send_to_device, set_seed
-from datasets.fingerprint import Hasher
+from accelerate.utils import set_seed
 from diffusers import DDPMScheduler, DPMSolverMultistepScheduler
 from diffusers import StableDiffusionPipeline, UNet2DConditionModel
 from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
@@ -66,8 +65,16 @@ def parse_args(argv=None):
     p.add_argument("--dataset_config_name", help="The dataset's configuration, if it has several.")
     source.add_argument("--train_data_dir", help="A folder of images (an imagefolder).")
     p.add_argument("--image_column", default="image", help="The dataset's image column.")
-    p.add_argument("--caption_column", default="text", help="The captions' column (or lists).")
-    p.add_argument("--caption_extension", default=".txt", help="Caption files beside images.")
+    p.add_argument(
+        "--caption_column",
+        default="text",
+        help="The captions' column (or lists); CLIP reads 77 tokens.",
+    )
+    p.add_argument(
+        "--caption_extension",
+        default=".txt",
+        help="Caption files beside images; CLIP reads 77 tokens.",
+    )
     p.add_argument("--instance_prompt", help="One caption for every image, over any other.")
     p.add_argument(
         "--caption_dropout_rate", type=fraction, default=0.0, help="Share of empty captions."
@@ -108,7 +115,11 @@ def parse_args(argv=None):
     p.add_argument("--use_8bit_adam", action="store_true", help="bitsandbytes' 8-bit AdamW.")
     p.add_argument("--max_grad_norm", type=at_least_0, default=1.0, help="Clip gradients to this.")
     p.add_argument("--use_ema", action="store_true", help="Save and sample an EMA of the weights.")
-    p.add_argument("--offload_ema", action="store_true", help="Ignored: memory only.")
+    p.add_argument(
+        "--offload_ema",
+        action="store_true",
+        help="Ignored: memory only; the EMA stays on the device.",
+    )
     p.add_argument("--foreach_ema", action="store_true", help="Multi-tensor EMA updates.")
     p.add_argument("--report_to", default="tensorboard", help="tensorboard, wandb or none.")
     p.add_argument("--logging_dir", default="logs", help="Trackers' folder, in --output_dir.")
@@ -116,7 +127,9 @@ def parse_args(argv=None):
     p.add_argument("--mixed_precision", choices=["no", "fp16", "bf16"], help="fp16/bf16 autocast.")
     p.add_argument("--allow_tf32", action="store_true", help="TF32 matmuls on Ampere+: faster.")
     p.add_argument(
-        "--enable_xformers_memory_efficient_attention", action="store_true", help="Ignored."
+        "--enable_xformers_memory_efficient_attention",
+        action="store_true",
+        help="Ignored: PyTorch's SDPA attention is used.",
     )
     p.add_argument("--prediction_type", choices=["epsilon", "v_prediction"], help="Target: ε or v.")
     p.add_argument("--snr_gamma", type=at_least_0, help="Min-SNR-γ's γ (paper: 5.0); default off.")
@@ -125,12 +138,16 @@ def parse_args(argv=None):
         "--input_perturbation", type=at_least_0, default=0.0, help="γ of noise in z_t only."
     )
     p.add_argument("--dream_training", action="store_true", help="Left out: a new objective.")
-    p.add_argument("--dream_detail_preservation", type=float, help="Ignored.")
+    p.add_argument(
+        "--dream_detail_preservation", type=float, help="Ignored: only --dream_training reads it."
+    )
     p.add_argument("--checkpointing_steps", type=count, default=500, help="Checkpoint every N.")
     p.add_argument("--checkpoints_total_limit", type=count, help="Keep the newest N; default: all.")
-    held_out = p.add_mutually_exclusive_group()
-    held_out.add_argument("--validation_split", type=fraction, help="Hold out this share; 0: none.")
-    held_out.add_argument("--validation_data_dir", help="Held-out pictures: a folder of them.")
+    p.add_argument(
+        "--validation_split",
+        type=fraction,
+        help="Hold out this share of the pictures (seeded); resume with the same share and --seed.",
+    )
     p.add_argument("--validate_every_n_steps", type=count, help="Held-out loss every N steps.")
     p.add_argument("--resume_from_checkpoint", help='checkpoint-N in --output_dir, or "latest".')
     p.add_argument("--push_to_hub", action="store_true", help="Upload to the Hub; log in first.")
@@ -146,12 +163,7 @@ def parse_args(argv=None):
         "dream_training": "DREAM changes the training objective; train without it",
         "non_ema_revision": "a UNet of another revision changes the result; use --revision",
     }
-    ignored = {
-        "enable_xformers_memory_efficient_attention": "PyTorch's SDPA attention is used",
-        "offload_ema": "memory only; the EMA stays on the device",
-        "dream_detail_preservation": "only --dream_training reads it, which is left out",
-    }
-    check_args(p, args, refused, ignored)
+    check_args(p, args, refused)
     return args
 
 
@@ -176,8 +188,9 @@ def main(args):
     deepspeed_plugin = accelerator.state.deepspeed_plugin
     # ZeRO-3 splits the UNet's weights, its gradients and its optimizer state over the processes.
     sharded = deepspeed_plugin is not None and deepspeed_plugin.zero_stage == 3
-    held_out_flag = args.validation_split or args.validation_data_dir
-    if sharded and (args.use_ema or held_out_flag or not deepspeed_plugin.zero3_save_16bit_model):
+    if sharded and (
+        args.use_ema or args.validation_split or not deepspeed_plugin.zero3_save_16bit_model
+    ):
         raise SystemExit(
             "error: ZeRO-3 needs `--zero3_save_16bit_model true`, no --use_ema, no held-out loss"
         )
@@ -240,52 +253,35 @@ def main(args):
         way_out = "give --instance_prompt (one prompt for all) or a caption file beside each image"
         with as_one_line(f"no column {args.caption_column!r} (--caption_column); {way_out}"):
             splits = splits.map(partial(read_caption, args=args), input_columns=args.image_column)
-    warn_of_long_captions(args, splits["train"], tokenizer)
     # Aspect-ratio buckets: each image trains at the size (height, width) of the bucket nearest its
     # aspect ratio, so that a portrait or a panorama is not cut to a square.
-    # Latents are 2^(VAE blocks - 1) times smaller than the images.
-    factor = 2 ** (len(vae.config.block_out_channels) - 1)
     bucket_sizes = [(args.resolution, args.resolution)]
     if args.aspect_ratio_buckets:
-        # A side must divide by the VAE's factor times the UNet's.
-        step = factor * 2 ** (len(unet.config.block_out_channels) - 1)
+        # A side must divide by the VAE's factor, 2^(blocks - 1), times the UNet's.
+        step = 2 ** (len(vae.config.block_out_channels) + len(unet.config.block_out_channels) - 2)
         bucket_sizes = parse_buckets(args, step)
         with accelerator.main_process_first():
             splits = splits.map(
                 partial(nearest_bucket, bucket_sizes=bucket_sizes), input_columns=args.image_column
             )
-        counts = sorted(Counter(splits["train"]["bucket"]).items())
-        logger.info(
-            f"Images per bucket (height, width): { {bucket_sizes[b]: n for b, n in counts} }"
-        )
     # Pixels in [0, 1] become (x - 0.5) / 0.5, in [-1, 1]; cover_and_crop resizes and crops each
     # image first, and preprocess flips it.
     to_tensor = transforms.Compose([transforms.ToTensor(), transforms.Normalize([0.5], [0.5])])
     # --cache_latents: the frozen VAE encodes each image once, here, not in every epoch.
-    if args.cache_latents:
-        encode = partial(
-            encode_latents, args=args, to_tensor=to_tensor, bucket_sizes=bucket_sizes, vae=vae
-        )
-        # What the latents depend on names the cache (datasets cannot fingerprint the VAE).
-        made_by = [base_path, args.revision, args.variant, vae.dtype, bucket_sizes]
-        made_by += [args.image_interpolation_mode, args.random_flip]
-        splits = cache_latents(accelerator, args, splits, encode, made_by)
+    cache = (
+        cache_latents(args, splits, to_tensor, bucket_sizes, vae) if args.cache_latents else None
+    )
     train_dataset, held_out = splits["train"], splits.get("validation")
     if args.max_train_samples is not None:
         train_dataset = train_dataset.shuffle(seed=args.seed, keep_in_memory=True)
         train_dataset = train_dataset.select(range(min(args.max_train_samples, len(train_dataset))))
-    # A cached latent's shape in each bucket: its μ and log σ², channel after channel.
-    channels = 2 * vae.config.latent_channels
-    latent_shapes = [
-        (channels, height // factor, width // factor) for height, width in bucket_sizes
-    ]
     transform = partial(
         preprocess,
         args=args,
         to_tensor=to_tensor,
         tokenizer=tokenizer,
         bucket_sizes=bucket_sizes,
-        latent_shapes=latent_shapes,
+        cache=cache,
     )
     # The held-out pictures keep epoch 0's crops and flips.
     if held_out:
@@ -360,8 +356,6 @@ def main(args):
     # The EMA too, so that a resume goes on with the same average (as its state: guide 2).
     if args.use_ema:
         accelerator.register_for_checkpointing(ema_model)
-    # The rows held out, which a resume compares with its checkpoint's.
-    keep_held_out_rows(accelerator, args, splits)
     global_step = resume_from_checkpoint(accelerator, args)
     # The EMA goes to the device after the resume, which loads it on the CPU.
     if args.use_ema:
@@ -399,6 +393,8 @@ def main(args):
     # A held-out picture's loss at t = fraction·T, with the generator's ε (section 8), without
     # --noise_offset and --input_perturbation, which add noise of their own.
     def picture_loss(batch, generator, fraction):
+        # On the device: the held-out pictures come straight from their dataset.
+        batch = {name: value.to(accelerator.device) for name, value in batch.items()}
         # The VAE posterior's mean, not a sample: the same latent each time.
         latents = sample_latents(vae, batch, args, mean=True)
         encoder_hidden_states = unwrap(text_encoder)(batch["input_ids"])[0]
@@ -410,13 +406,17 @@ def main(args):
     progress_bar = tqdm(
         range(max_train_steps), initial=global_step, disable=not accelerator.is_local_main_process
     )
+    # The held-out loss where the run starts (at step 0: the untrained baseline), shown on the
+    # progress bar and in the model card. A picture that cannot be read stops the run here.
+    shown = {}
+    if held_out:
+        with ema_weights(ema_model, unet.parameters()):
+            shown = log_held_out_loss(accelerator, held_out, picture_loss, unet, global_step)
     # From now on a signal saves a checkpoint first.
     handle_signals(accelerator, args, at_once=False)
     # The loss is summed on the device, read every 10 steps: a read makes the CPU wait.
     train_loss = 0.0
     logged_step = global_step
-    # The last held-out loss: on the progress bar, and in the model card.
-    shown = {}
     for epoch in range(first_epoch, num_epochs):
         unet.train()
         # This epoch's crops, flips and captions (preprocess), and permutation, also when resuming.
@@ -486,15 +486,15 @@ def main(args):
                 # Diverged: stop before a checkpoint keeps the weights of a loss of inf or NaN.
                 if not math.isfinite(mean_loss):
                     raise SystemExit(
-                        f"error: the loss is {mean_loss} at step {global_step}; resume from a "
-                        "checkpoint before it with a lower --learning_rate, or bf16 for fp16"
+                        f"error: the loss is {mean_loss} at step {global_step}: resume an earlier "
+                        "checkpoint with a lower --learning_rate"
                     )
 
             # 8. Validation, EMA weights if any: the held-out loss every --validate_every_n_steps
-            #    (of the saved weights in 9); the prompts at an epoch's end
+            #    and at the last step; the prompts at an epoch's end
             # Without --validate_every_n_steps, at every checkpoint.
             every = args.validate_every_n_steps or args.checkpointing_steps
-            held_out_due = held_out and global_step % every == 0 and not last_step
+            held_out_due = held_out and (global_step % every == 0 or last_step)
             if held_out_due:
                 with ema_weights(ema_model, unet.parameters()):
                     shown = log_held_out_loss(
@@ -507,17 +507,13 @@ def main(args):
                 log_validation(accelerator, args, base, ema_model, global_step)
             # A signal to any process stops them all at the same step, after validation (at steps
             # that read the loss or the held-out loss: the check makes the processes wait).
-            if (read or held_out_due) and stop_requested(accelerator):
+            if (read or held_out_due) and accelerator.check_trigger():
                 stop_run(accelerator, args, f"Stopped at step {global_step}", global_step)
             if save:
                 save_checkpoint(accelerator, args, global_step)
 
     # 9. Final save: the whole pipeline, the frozen parts as they are on disk, the UNet with the
     #    EMA weights if any
-    # The held-out loss of the weights saved, on every process (also after a resume at the end).
-    if held_out:
-        with ema_weights(ema_model, unet.parameters()):
-            shown = log_held_out_loss(accelerator, held_out, picture_loss, unet, global_step)
     # On every process: under ZeRO-3 each sends its part of the weights.
     unet_weights = accelerator.get_state_dict(unet)
     if accelerator.is_main_process:
@@ -544,7 +540,7 @@ def main(args):
         usage += f"pipeline = StableDiffusionPipeline.from_pretrained({where!r})\n"
         usage += f"pipeline({prompt!r}).images[0].save('sample.png')"
         tags = ["stable-diffusion", "text-to-image"]
-        save_model_card(accelerator, args, base_path, tags, usage, shown)
+        save_model_card(args, tags, usage, shown)
         if args.push_to_hub:
             upload_folder(
                 repo_id=repo.repo_id, folder_path=args.output_dir, ignore_patterns="*checkpoint*"
@@ -553,16 +549,24 @@ def main(args):
 
 
 def load_datasets(args, *columns):
-    """The pictures: "train" (a Hub dataset or an imagefolder) and, to hold out, "validation": a
-    seeded --validation_split of them, or --validation_data_dir's, which never train. A "row"
-    column seeds each picture's crop and flip."""
+    """The pictures: "train" (a Hub dataset or an imagefolder) and, with --validation_split, a
+    seeded share of them held out as "validation", the same on every process and at every resume.
+    A "row" column seeds each picture's crop and flip."""
     if args.dataset_name:
         with as_one_line(f"--dataset_name {args.dataset_name}"):
             dataset = datasets.load_dataset(
                 args.dataset_name, args.dataset_config_name, cache_dir=args.cache_dir, split="train"
             )
     else:
-        dataset = load_imagefolder("--train_data_dir", args.train_data_dir, args.cache_dir)
+        folder = args.train_data_dir
+        extensions = datasets.packaged_modules.imagefolder.ImageFolder.EXTENSIONS
+        if not any(path.suffix.lower() in extensions for path in Path(folder).rglob("*")):
+            raise SystemExit(f"error: --train_data_dir {folder}: no pictures in it")
+        # Every picture under the folder, with a metadata.jsonl's columns if it has one.
+        with as_one_line(f"--train_data_dir {folder}"):
+            dataset = datasets.load_dataset(
+                "imagefolder", data_files=f"{folder}/**", cache_dir=args.cache_dir, split="train"
+            )
     for column in columns:
         if column not in dataset.column_names:
             raise SystemExit(f"error: no column {column!r}; the dataset has {dataset.column_names}")
@@ -570,52 +574,10 @@ def load_datasets(args, *columns):
     dataset = dataset.cast_column(args.image_column, datasets.Image(decode=False))
     splits = datasets.DatasetDict(train=dataset.add_column("row", range(len(dataset))))
     if args.validation_split:
-        # The same pictures on every process and at every resume.
         with as_one_line("--validation_split"):
             split = splits["train"].train_test_split(args.validation_split, seed=args.seed)
         splits = datasets.DatasetDict(train=split["train"], validation=split["test"])
-    elif args.validation_data_dir:
-        held_out = load_imagefolder(
-            "--validation_data_dir", args.validation_data_dir, args.cache_dir
-        )
-        with as_one_line("--validation_data_dir: the training set's columns and classes"):
-            held_out = held_out.add_column("row", range(len(held_out)))
-            # Class folders: a held-out picture's label by its folder's name, not its number.
-            for name, feature in splits["train"].features.items():
-                held_out_names = getattr(held_out.features.get(name), "names", None)
-                if held_out_names:
-                    names = getattr(feature, "names", [])
-                    labels = [names.index(held_out_names[i]) for i in held_out[name]]
-                    held_out = held_out.remove_columns(name).add_column(name, labels)
-            splits["validation"] = held_out.cast(splits["train"].features)
-        # A picture in both, by any name, would train.
-        files = [{file_id(x): x["path"] for x in d[args.image_column]} for d in splits.values()]
-        shared = files[0].keys() & files[1].keys() - {None}
-        if shared:
-            raise SystemExit(f"error: --validation_data_dir: {files[1][min(shared)]} also trains")
-    # Read now: a held-out picture that cannot be read stops the run before it trains.
-    if "validation" in splits:
-        for item in splits["validation"][args.image_column]:
-            open_image(item)
     return splits
-
-
-def file_id(item):
-    """A picture's file: its device and inode, the same for all of its names; None for a picture
-    stored in the dataset."""
-    path = item["path"]
-    return os.stat(path)[1:3] if not item["bytes"] and os.path.isfile(path) else None
-
-
-def load_imagefolder(flag, folder, cache_dir):
-    """Every picture under `folder`, with a metadata.jsonl's columns if it has one."""
-    extensions = datasets.packaged_modules.imagefolder.ImageFolder.EXTENSIONS
-    if not any(path.suffix.lower() in extensions for path in Path(folder).rglob("*")):
-        raise SystemExit(f"error: {flag} {folder}: no pictures in it")
-    with as_one_line(f"{flag} {folder}"):
-        return datasets.load_dataset(
-            "imagefolder", data_files=f"{folder}/**", cache_dir=cache_dir, split="train"
-        )
 
 
 def read_caption(item, args):
@@ -624,34 +586,15 @@ def read_caption(item, args):
     return {args.caption_column: Path(caption_file).read_text(encoding="utf-8-sig").strip()}
 
 
-def warn_of_long_captions(args, dataset, tokenizer):
-    """CLIP reads 77 tokens: a longer caption is cut there, which the log says once."""
-    captions = [args.instance_prompt] if args.instance_prompt else dataset[args.caption_column]
-    # A row may hold a list of captions (each epoch draws one of them), or none.
-    texts = [text for one in captions for text in ([one] if isinstance(one, str) else one or [])]
-    too_long = sum(len(ids) > tokenizer.model_max_length for ids in tokenizer(texts).input_ids)
-    if too_long:
-        logger.warning(
-            f"{too_long} captions are over {tokenizer.model_max_length} tokens: cut there"
-        )
-
-
 def open_image(item):
     """One image in RGB as its owner sees it: upright by its EXIF orientation (as `datasets` decodes
     it), 16-bit greys rounded to 8 bits rather than clipped, transparent pixels on white."""
     with as_one_line(f"image {item['path']}"):
         image = datasets.Image().decode_example(item)
-    # One channel of 16 bits (modes I;16, I;16B, I) or floats (F): 0..65535 or 0..1 to 0..255,
-    # rounded; a PNG's transparent value (tRNS) is compared before, as an alpha channel.
-    if image.mode[0] in "IF":
+    # One channel of 16 bits (modes I;16, I;16B, I): 0..65535 to 0..255, rounded.
+    if image.mode[0] == "I":
         values = transforms.functional.pil_to_tensor(image.convert("F")).double()
-        top = 1 if image.mode == "F" else 65535
-        if not 0 <= values.min() <= values.max() <= top:
-            raise SystemExit(f"error: image {item['path']}: values outside 0..{top}")
-        layers = [(values * 255 / top).round().byte()]
-        if "transparency" in image.info:
-            layers.append((values != image.info["transparency"]).byte() * 255)
-        image = transforms.functional.to_pil_image(torch.cat(layers))
+        image = transforms.functional.to_pil_image((values * 255 / 65535).round().byte())
     if image.has_transparency_data:
         warnings.warn("Transparent pixels are composited on white.")
         image = Image.alpha_composite(Image.new("RGBA", image.size, "white"), image.convert("RGBA"))
@@ -722,41 +665,31 @@ class BucketBatches(torch.utils.data.BatchSampler):
         return sum(math.ceil(n / self.size) for n in Counter(self.buckets).values())
 
 
-def cache_latents(accelerator, args, splits, encode, made_by):
-    """Every split's pictures through encode once, written by the main process, then read by the
-    others. datasets cannot fingerprint the VAE: the cache is named by what makes the latents."""
-    with accelerator.main_process_first():
-        for name, split in splits.items():
-            splits[name] = split.map(
-                encode,
-                batched=True,
-                batch_size=args.train_batch_size,
-                remove_columns=args.image_column,
-                new_fingerprint=Hasher.hash([split._fingerprint, *made_by]),
-            )
-    return splits
+def cache_latents(args, splits, to_tensor, bucket_sizes, vae):
+    """Each picture's VAE posterior, mean and log-variance, of both sides if flipping, by its row:
+    each step still draws its own latent z_0 = μ + σ·n. Held in memory, as kohya does: every
+    process encodes every picture once a run."""
+    cache = {}
+    for split in splits.values():
+        for example in split:
+            # Without --aspect_ratio_buckets, one bucket: the square.
+            bucket = example["bucket"] if args.aspect_ratio_buckets else 0
+            image = open_image(example[args.image_column])
+            pixels = to_tensor(cover_and_crop(image, bucket_sizes[bucket], args))
+            pixels = pixels[None].to(vae.device, vae.dtype)
+            sides = torch.cat([pixels, pixels.flip(-1)] if args.random_flip else [pixels])
+            with torch.no_grad():
+                moments = vae.encode(sides).latent_dist.parameters
+            cache[example["row"]] = moments.float().cpu()
+    return cache
 
 
-def encode_latents(examples, args, to_tensor, bucket_sizes, vae):
-    """Each image's VAE posterior, mean and log-variance, of both sides if flipping: each step
-    still draws its own latent z_0 = μ + σ·n. Raw float32 bytes, fast to read."""
-    latent_moments = []
-    # Without --aspect_ratio_buckets, one bucket: the square.
-    buckets = examples["bucket"] if args.aspect_ratio_buckets else [0] * len(examples["row"])
-    for item, bucket in zip(examples[args.image_column], buckets):
-        image = cover_and_crop(open_image(item), bucket_sizes[bucket], args)
-        pixels = to_tensor(image)[None].to(vae.device, vae.dtype)
-        sides = torch.cat([pixels, pixels.flip(-1)] if args.random_flip else [pixels])
-        with torch.no_grad():
-            moments = vae.encode(sides).latent_dist.parameters
-        latent_moments.append(moments.float().cpu().numpy().tobytes())
-    return {"latent_moments": latent_moments}
-
-
-def preprocess(examples, args, to_tensor, tokenizer, bucket_sizes, latent_shapes, epoch):
+def preprocess(examples, args, to_tensor, tokenizer, bucket_sizes, cache, epoch):
     """Images to tensors (cached: their latents' moments), captions to token ids. As in
     train_unconditional, crop, flip and caption choice come from a seed of (seed, epoch, row)."""
-    batch = {"pixel_values": [], "latent_moments": []}
+    # The cached latents' moments, or the images.
+    key = "latent_moments" if args.cache_latents else "pixel_values"
+    batch = {key: []}
     captions = []
     for i, row in enumerate(examples["row"]):
         with torch.random.fork_rng(devices=[]):
@@ -765,16 +698,14 @@ def preprocess(examples, args, to_tensor, tokenizer, bucket_sizes, latent_shapes
             torch.default_generator.manual_seed(seed % 2**32)
             # Drawn only with --random_flip: without it, the crop's draws stay the same.
             flip = args.random_flip and bool(torch.rand(()) < 0.5)
-            bucket = examples["bucket"][i] if args.aspect_ratio_buckets else 0
             # The moments of both sides are cached: the flip picks one.
             if args.cache_latents:
-                data = bytearray(examples["latent_moments"][i])
-                moments = torch.frombuffer(data, dtype=torch.float32)
-                batch["latent_moments"].append(moments.view(-1, *latent_shapes[bucket])[int(flip)])
+                batch[key].append(cache[row][int(flip)])
             else:
+                bucket = examples["bucket"][i] if args.aspect_ratio_buckets else 0
                 image = open_image(examples[args.image_column][i])
                 pixels = to_tensor(cover_and_crop(image, bucket_sizes[bucket], args))
-                batch["pixel_values"].append(pixels.flip(-1) if flip else pixels)
+                batch[key].append(pixels.flip(-1) if flip else pixels)
             # --instance_prompt over the image's own caption; a missing caption (None) is ∅.
             caption = args.instance_prompt or examples[args.caption_column][i] or ""
             # A list of captions: one of them.
@@ -784,7 +715,6 @@ def preprocess(examples, args, to_tensor, tokenizer, bucket_sizes, latent_shapes
                 # The empty prompt ∅, for guidance.
                 caption = ""
             captions.append(caption)
-    batch = {name: values for name, values in batch.items() if len(values)}
     # Padded or cut to the tokenizer's length, CLIP's 77 tokens.
     tokens = tokenizer(captions, padding="max_length", truncation=True)
     batch["input_ids"] = torch.tensor(tokens.input_ids)
@@ -847,27 +777,6 @@ def sample_latents(vae, batch, args, mean=False):
     return latents.float() * vae.config.scaling_factor
 
 
-def keep_held_out_rows(accelerator, args, splits):
-    """Each checkpoint keeps the rows that --validation_split holds out. A resume whose split would
-    hold out a row its checkpoint trained on stops: that picture's loss would not be held out."""
-    rows = sorted(splits["validation"].with_format(None)["row"]) if args.validation_split else []
-
-    def save_rows(models, weights, output_dir):
-        if accelerator.is_main_process:
-            torch.save(rows, f"{output_dir}/held_out_rows.pt")
-
-    # A checkpoint of an earlier version of the script has no such file.
-    def check_rows(models, input_dir):
-        saved = f"{input_dir}/held_out_rows.pt"
-        if os.path.exists(saved) and set(rows) - set(torch.load(saved)):
-            raise SystemExit(
-                "error: --validation_split, --seed: the checkpoint trained on held-out pictures"
-            )
-
-    accelerator.register_save_state_pre_hook(save_rows)
-    accelerator.register_load_state_pre_hook(check_rows)
-
-
 def min_snr_weights(noise_scheduler, timesteps, snr_gamma):
     """Min-SNR-γ (Hang et al. 2023): the loss on x_0 weighted by min(SNR(t), γ), with SNR(t) =
     ᾱ_t / (1 - ᾱ_t), so that the nearly clean timesteps no longer dominate the gradient. The loss
@@ -879,20 +788,19 @@ def min_snr_weights(noise_scheduler, timesteps, snr_gamma):
 
 def log_held_out_loss(accelerator, held_out, picture_loss, model, global_step):
     """The loss on the held-out pictures: val_loss, and val_loss_t0 to t3 over the quarters of the
-    schedule, low noise to high (val_loss is their mean weighted by their counts). The same for the
-    same weights on any number of processes: picture k of n gets t = (k + ½)·T/n and an ε seeded
-    by k, whichever process takes it; gather_object puts the processes' shares back in order."""
+    schedule, low noise to high (val_loss is their mean weighted by their counts). Picture k of n
+    gets t = (k + ½)·T/n and an ε seeded by k; every process measures every picture, so the numbers
+    are the same for the same weights on any number of processes."""
     n = len(held_out)
     losses = []
     # No dropout.
     model.eval()
-    with torch.no_grad(), accelerator.split_between_processes(list(range(n))) as share:
-        for k in share:
-            batch = send_to_device(default_collate([held_out[k]]), accelerator.device)
+    with torch.no_grad():
+        for k in range(n):
+            batch = default_collate([held_out[k]])
             generator = torch.Generator().manual_seed(k)
             losses.append(picture_loss(batch, generator, (k + 0.5) / n).item())
     model.train()
-    losses = gather_object(losses)
     logs = {"val_loss": sum(losses) / n}
     quarters = [int(4 * (k + 0.5) / n) for k in range(n)]
     for q in sorted(set(quarters)):
@@ -917,22 +825,13 @@ def ema_weights(ema_model, parameters):
 
 
 def log_validation(accelerator, args, pipeline, ema_model, global_step):
-    """A grid of the prompts' images from fixed noise, with the EMA weights if any."""
+    """A grid of the prompts' images from the same noise each time, with the EMA weights if any."""
     unet = pipeline.unet
     # No dropout while sampling.
     unet.eval()
     pipeline.set_progress_bar_config(disable=True)
-    with ema_weights(ema_model, unet.parameters()):
-        images = generate(accelerator, args, pipeline)
-    unet.train()
-    if accelerator.is_main_process:
-        save_grid(accelerator, args, images, global_step, nrow=len(images))
-
-
-def generate(accelerator, args, pipeline, **kwargs):
-    """The validation images, from the same noise each time."""
-    with accelerator.autocast():
-        return pipeline(
+    with ema_weights(ema_model, unet.parameters()), accelerator.autocast():
+        images = pipeline(
             args.validation_prompts,
             height=args.resolution,
             width=args.resolution,
@@ -940,38 +839,35 @@ def generate(accelerator, args, pipeline, **kwargs):
             guidance_scale=args.guidance_scale,
             generator=torch.Generator().manual_seed(0),
             output_type="pt",
-            **kwargs,
         ).images.float()
+    unet.train()
+    # One grid: output_dir/samples/step-N.png, and in TensorBoard or wandb.
+    if accelerator.is_main_process:
+        os.makedirs(f"{args.output_dir}/samples", exist_ok=True)
+        grid = f"{args.output_dir}/samples/step-{global_step}.png"
+        torchvision.utils.save_image(images, grid, nrow=len(images))
+        for tracker in accelerator.trackers:
+            tracker.log_images({"samples": images}, step=global_step)
 
 
-def save_grid(accelerator, args, images, global_step, nrow):
-    """The images as one grid: output_dir/samples/step-N.png, and in TensorBoard or wandb."""
-    os.makedirs(f"{args.output_dir}/samples", exist_ok=True)
-    grid = f"{args.output_dir}/samples/step-{global_step}.png"
-    torchvision.utils.save_image(images, grid, nrow=nrow)
-    for tracker in accelerator.trackers:
-        tracker.log_images({"samples": images}, step=global_step)
-
-
-def save_model_card(accelerator, args, base_model, tags, usage, shown):
+def save_model_card(args, tags, usage, shown):
     """README.md in --output_dir, as the Diffusers examples write one for the Hub: the base model,
-    how to load the weights (lines that run as pasted), their held-out loss, the launch and the
-    command. Code is indented, not fenced: a prompt cannot end the block. A README.md that is not
-    a card of these scripts is kept."""
+    how to load the weights (lines that run as pasted), their held-out loss and the command. Code
+    is indented, not fenced: a prompt cannot end the block. A README.md that is not a card of
+    these scripts is kept."""
     path = Path(args.output_dir, "README.md")
     if path.exists() and "Held-out loss of these weights" not in path.read_text(errors="replace"):
         return logger.warning(f"{path} is not a model card of ours: kept, no card written")
     loss = f"{shown['val_loss']:.4f}" if shown else "not measured (no held-out pictures)"
-    origin = f"Fine-tuned from {base_model}" if base_model else "Trained from scratch"
+    base_model = args.pretrained_model_name_or_path
     text = (
-        f"# {os.path.basename(os.path.abspath(args.output_dir))}\n\n{origin} by "
-        f"`{os.path.basename(sys.argv[0])}`. Held-out loss of these weights: {loss}.\n\n"
+        f"# {os.path.basename(os.path.abspath(args.output_dir))}\n\nFine-tuned from {base_model} "
+        f"by `{os.path.basename(sys.argv[0])}`. Held-out loss of these weights: {loss}.\n\n"
         f"{textwrap.indent(usage, '    ')}\n\n## Training\n\n"
-        f"{textwrap.indent(str(accelerator.state), '    ')}\n"
         f"{textwrap.indent(shlex.join(sys.argv), '    ')}\n"
     )
     # The Hub checks the header, where base_model must name a model of the Hub, not a folder.
-    hub_model = None if base_model is None or os.path.isdir(base_model) else base_model
+    hub_model = None if os.path.isdir(base_model) else base_model
     card_data = ModelCardData(library_name="diffusers", tags=tags, base_model=hub_model)
     ModelCard(f"---\n{card_data.to_yaml()}\n---\n{text}").save(path)
 
@@ -981,15 +877,14 @@ def save_model_card(accelerator, args, base_model, tags, usage, shown):
 # of it is diffusion; docs/reference.md ("Running for real") says what each part is for.
 
 
-def check_args(p, args, refused, ignored):
-    """Flags left out stop, ignored ones say so; flags that cannot go together stop."""
+def check_args(p, args, refused):
+    """Flags left out stop (the ignored ones say so in their help); flags that cannot go together
+    stop."""
     for flag, value in vars(args).items():
         if value and flag in refused:
             p.error(f"--{flag} is left out: {refused[flag]}")
-        if value and flag in ignored:
-            print(f"note: --{flag} is ignored: {ignored[flag]}")
-    if args.validate_every_n_steps and not (args.validation_split or args.validation_data_dir):
-        p.error("--validate_every_n_steps needs --validation_split or --validation_data_dir")
+    if args.validate_every_n_steps and not args.validation_split:
+        p.error("--validate_every_n_steps needs --validation_split")
     output_dir = Path(args.output_dir).absolute()
     if any(folder.is_file() for folder in [output_dir, *output_dir.parents]):
         p.error(f"--output_dir {args.output_dir}: a file is in the way")
@@ -1034,12 +929,10 @@ def as_one_line(flag):
 
 
 def start_run(accelerator, args):
-    """Before the models load: refuse what cannot run; until the first step a signal ends the run
-    at once; DataLoader workers die with the process."""
+    """Before the models load: refuse a launch that cannot run; until the first step a signal
+    ends the run at once; DataLoader workers die with the process."""
     if accelerator.mixed_precision == "fp16" and accelerator.device.type == "cpu":
         raise SystemExit("error: --mixed_precision fp16 needs a GPU; on a CPU use bf16 or no")
-    if args.use_8bit_adam and accelerator.device.type == "mps":
-        raise SystemExit("error: --use_8bit_adam: bitsandbytes has no 8-bit AdamW for Apple's MPS")
     if accelerator.distributed_type == DistributedType.FSDP:
         raise SystemExit("error: launch with DDP or DeepSpeed, not FSDP")
     handle_signals(accelerator, args, at_once=True)
@@ -1060,7 +953,9 @@ def kill_workers():
 
 
 def handle_signals(accelerator, args, at_once):
-    """SIGTERM (a scheduler's notice), SIGINT (Ctrl-C): at_once the run ends; else the first asks
+    """SIGTERM (a scheduler's notice), SIGINT (Ctrl-C): the main process writes the file `stopped`
+    in --output_dir at once, which a scheduler tests to requeue the run (a launcher may kill the
+    processes before their checkpoint is whole). at_once the run ends; else the first signal asks
     the loop to checkpoint and stop (set_trigger), a second ends the run."""
     received = []
 
@@ -1069,8 +964,9 @@ def handle_signals(accelerator, args, at_once):
         if not received or time.monotonic() - received[-1] > 1:
             received.append(time.monotonic())
             why = f"Stopped by {signal.Signals(signum).name}"
-            # Now: a launcher may kill the processes before their checkpoint is whole.
-            write_stopped(accelerator, args, why)
+            if accelerator.is_main_process:
+                os.makedirs(args.output_dir, exist_ok=True)
+                Path(args.output_dir, "stopped").write_text(why)
             if at_once or len(received) > 1:
                 stop_run(accelerator, args, why)
             accelerator.set_trigger()
@@ -1089,27 +985,10 @@ def ignore_signals(*worker_id):
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
-def stop_requested(accelerator, launcher=os.getppid()):
-    """Whether any process was signalled, or lost its launcher (`launcher`: the parent as the
-    script started), which a rank outlives if the launcher is killed. All processes call it."""
-    if "LOCAL_RANK" in os.environ and os.getppid() != launcher:
-        accelerator.set_trigger()
-    return accelerator.check_trigger()
-
-
-def write_stopped(accelerator, args, why):
-    """The file `stopped` in --output_dir, which a scheduler tests to requeue the run."""
-    if accelerator.is_main_process:
-        os.makedirs(args.output_dir, exist_ok=True)
-        Path(args.output_dir, "stopped").write_text(why)
-
-
 def stop_run(accelerator, args, why, global_step=None):
-    """A checkpoint of global_step if given, then exit 75 (EX_TEMPFAIL, "try again later"); the
-    file `stopped` says why."""
+    """A checkpoint of global_step if given, then exit 75 (EX_TEMPFAIL, "try again later")."""
     if global_step is not None:
         save_checkpoint(accelerator, args, global_step)
-    write_stopped(accelerator, args, why)
     logger.info(f"{why}: go on with --resume_from_checkpoint latest")
     raise SystemExit(75)
 

@@ -18,11 +18,9 @@ import math
 import multiprocessing
 import os
 import re
-import shlex
 import shutil
 import signal
 import sys
-import textwrap
 import time
 import warnings
 from datetime import timedelta
@@ -36,11 +34,11 @@ import torchvision
 from accelerate import Accelerator, DistributedType
 from accelerate.logging import get_logger
 from accelerate.utils import DataLoaderConfiguration, InitProcessGroupKwargs, ProjectConfiguration
-from accelerate.utils import gather_object, send_to_device, set_seed
+from accelerate.utils import set_seed
 from diffusers import DDPMPipeline, DDPMScheduler, UNet2DModel
 from diffusers.optimization import get_scheduler
 from diffusers.training_utils import EMAModel, compute_snr
-from huggingface_hub import ModelCard, ModelCardData, create_repo, upload_folder
+from huggingface_hub import create_repo, upload_folder
 from PIL import Image
 from torch.utils.data import default_collate
 from torchvision import transforms
@@ -82,7 +80,6 @@ def parse_args(argv=None):
     p.add_argument("--adam_beta2", type=fraction, default=0.999, help="AdamW's β2 (2nd moment).")
     p.add_argument("--adam_weight_decay", type=at_least_0, default=1e-6, help="Weight decay.")
     p.add_argument("--adam_epsilon", type=at_least_0, default=1e-08, help="AdamW's ε.")
-    p.add_argument("--use_8bit_adam", action="store_true", help="bitsandbytes' 8-bit AdamW.")
     p.add_argument("--max_grad_norm", type=at_least_0, default=1.0, help="Clip gradients to this.")
     p.add_argument("--use_ema", action="store_true", help="Save and sample an EMA of the weights.")
     p.add_argument("--ema_inv_gamma", type=at_least_0, default=1.0, help="EMA warm-up's γ.")
@@ -93,7 +90,9 @@ def parse_args(argv=None):
     p.add_argument("--mixed_precision", choices=["no", "fp16", "bf16"], help="fp16/bf16 autocast.")
     p.add_argument("--allow_tf32", action="store_true", help="TF32 matmuls on Ampere+: faster.")
     p.add_argument(
-        "--enable_xformers_memory_efficient_attention", action="store_true", help="Ignored."
+        "--enable_xformers_memory_efficient_attention",
+        action="store_true",
+        help="Ignored: PyTorch's SDPA attention is used.",
     )
     p.add_argument(
         "--prediction_type",
@@ -107,9 +106,11 @@ def parse_args(argv=None):
     p.add_argument("--ddpm_beta_schedule", default="linear", help="β_1..β_T schedule, e.g. linear.")
     p.add_argument("--checkpointing_steps", type=count, default=500, help="Checkpoint every N.")
     p.add_argument("--checkpoints_total_limit", type=count, help="Keep the newest N; default all.")
-    held_out = p.add_mutually_exclusive_group()
-    held_out.add_argument("--validation_split", type=fraction, help="Hold out this share; 0: none.")
-    held_out.add_argument("--validation_data_dir", help="Held-out pictures: a folder of them.")
+    p.add_argument(
+        "--validation_split",
+        type=fraction,
+        help="Hold out this share of the pictures (seeded); resume with the same share and --seed.",
+    )
     p.add_argument("--validate_every_n_steps", type=count, help="Held-out loss every N steps.")
     p.add_argument("--resume_from_checkpoint", help='checkpoint-N in --output_dir, or "latest".')
     p.add_argument("--push_to_hub", action="store_true", help="Upload to the Hub; log in first.")
@@ -122,8 +123,7 @@ def parse_args(argv=None):
         "hub_token": "a token in a command lands in shell history; run `hf auth login`",
         "preserve_input_precision": "images are read as 8-bit RGB (16-bit ones are scaled)",
     }
-    ignored = {"enable_xformers_memory_efficient_attention": "PyTorch's SDPA attention is used"}
-    check_args(p, args, refused, ignored)
+    check_args(p, args, refused)
     return args
 
 
@@ -145,8 +145,6 @@ def main(args):
     )
     # The model without its DDP, DeepSpeed or torch.compile wrapper.
     unwrap = partial(accelerator.unwrap_model, keep_torch_compile=False)
-    if accelerator.state.deepspeed_plugin and accelerator.state.deepspeed_plugin.zero_stage == 3:
-        raise SystemExit("error: launch with DDP or DeepSpeed ZeRO-1/2, not ZeRO-3")
     logging.basicConfig(level=logging.INFO)
     # What a real launch needs beside the lesson: "Running for real", at the end of the file.
     start_run(accelerator, args)
@@ -218,17 +216,13 @@ def main(args):
 
     # 5. Optimizer and LR schedule, over each process's share of the batches
     # fused: one call updates all the weights (on CUDA, a kernel per chunk of them).
-    optimizer_class = partial(torch.optim.AdamW, fused=True)
-    if args.use_8bit_adam:
-        import bitsandbytes
-
-        optimizer_class = bitsandbytes.optim.AdamW8bit
-    optimizer = optimizer_class(
+    optimizer = torch.optim.AdamW(
         model.parameters(),
         lr=args.learning_rate,
         betas=(args.adam_beta1, args.adam_beta2),
         weight_decay=args.adam_weight_decay,
         eps=args.adam_epsilon,
+        fused=True,
     )
     accumulation = args.gradient_accumulation_steps
     steps_per_epoch = math.ceil(len(train_dataloader) / accelerator.num_processes / accumulation)
@@ -265,8 +259,6 @@ def main(args):
     # The EMA too, so that a resume goes on with the same average (as its state: guide 2).
     if args.use_ema:
         accelerator.register_for_checkpointing(ema_model)
-    # The rows held out, which a resume compares with its checkpoint's.
-    keep_held_out_rows(accelerator, args, splits)
     global_step = resume_from_checkpoint(accelerator, args)
     # The EMA goes to the device after the resume, which loads it on the CPU.
     if args.use_ema:
@@ -302,6 +294,8 @@ def main(args):
 
     # A held-out picture's loss at t = fraction·T, with the generator's ε (section 8).
     def picture_loss(batch, generator, fraction):
+        # On the device: the held-out pictures come straight from their dataset.
+        batch = {name: value.to(accelerator.device) for name, value in batch.items()}
         clean_images = batch["pixel_values"]
         noise = torch.randn(clean_images.shape, generator=generator).to(accelerator.device)
         timesteps = torch.tensor([int(fraction * T)], device=accelerator.device)
@@ -312,13 +306,17 @@ def main(args):
     progress_bar = tqdm(
         range(max_train_steps), initial=global_step, disable=not accelerator.is_local_main_process
     )
+    # The held-out loss where the run starts (at step 0: the untrained baseline). A picture that
+    # cannot be read stops the run here, before it trains.
+    shown = {}
+    if held_out:
+        with ema_weights(ema_model, model.parameters()):
+            shown = log_held_out_loss(accelerator, held_out, picture_loss, model, global_step)
     # From now on a signal saves a checkpoint first.
     handle_signals(accelerator, args, at_once=False)
     # The loss is summed on the device, read every 10 steps: a read makes the CPU wait.
     train_loss = 0.0
     logged_step = global_step
-    # The last held-out loss: on the progress bar, and in the model card.
-    shown = {}
     for epoch in range(first_epoch, num_epochs):
         model.train()
         # This epoch's crops and flips (preprocess), and permutation, also when resuming.
@@ -374,15 +372,15 @@ def main(args):
                 # Diverged: stop before a checkpoint keeps the weights of a loss of inf or NaN.
                 if not math.isfinite(mean_loss):
                     raise SystemExit(
-                        f"error: the loss is {mean_loss} at step {global_step}; resume from a "
-                        "checkpoint before it with a lower --learning_rate, or bf16 for fp16"
+                        f"error: the loss is {mean_loss} at step {global_step}: resume an earlier "
+                        "checkpoint with a lower --learning_rate"
                     )
 
             # 8. Validation, EMA weights if any: the held-out loss every --validate_every_n_steps
-            #    (of the saved weights in 9); at an epoch's end, Algorithm 2 from the same noise
+            #    and at the last step; at an epoch's end, Algorithm 2 from the same noise
             # Without --validate_every_n_steps, at every checkpoint.
             every = args.validate_every_n_steps or args.checkpointing_steps
-            held_out_due = held_out and global_step % every == 0 and not last_step
+            held_out_due = held_out and (global_step % every == 0 or last_step)
             if held_out_due:
                 with ema_weights(ema_model, model.parameters()):
                     shown = log_held_out_loss(
@@ -396,7 +394,7 @@ def main(args):
                 )
             # A signal to any process stops them all at the same step, after validation (at steps
             # that read the loss or the held-out loss: the check makes the processes wait).
-            if (read or held_out_due) and stop_requested(accelerator):
+            if (read or held_out_due) and accelerator.check_trigger():
                 stop_run(accelerator, args, f"Stopped at step {global_step}", global_step)
             if save:
                 save_checkpoint(accelerator, args, global_step)
@@ -406,18 +404,8 @@ def main(args):
             save_pipeline(args, unwrap(model), ema_model, noise_scheduler)
 
     # 9. Final save: a folder that DDPMPipeline.from_pretrained loads, EMA weights if any
-    # The held-out loss of the weights saved, on every process (also after a resume at the end).
-    if held_out:
-        with ema_weights(ema_model, model.parameters()):
-            shown = log_held_out_loss(accelerator, held_out, picture_loss, model, global_step)
     if accelerator.is_main_process:
         save_pipeline(args, unwrap(model), ema_model, noise_scheduler)
-        where = repo.repo_id if args.push_to_hub else args.output_dir
-        usage = "from diffusers import DDPMPipeline\n\n"
-        usage += f"pipeline = DDPMPipeline.from_pretrained({where!r})\n"
-        usage += "pipeline().images[0].save('sample.png')"
-        tags = ["ddpm", "unconditional-image-generation"]
-        save_model_card(accelerator, args, None, tags, usage, shown)
         if args.push_to_hub:
             upload_folder(
                 repo_id=repo.repo_id, folder_path=args.output_dir, ignore_patterns="*checkpoint*"
@@ -426,16 +414,24 @@ def main(args):
 
 
 def load_datasets(args, *columns):
-    """The pictures: "train" (a Hub dataset or an imagefolder) and, to hold out, "validation": a
-    seeded --validation_split of them, or --validation_data_dir's, which never train. A "row"
-    column seeds each picture's crop and flip."""
+    """The pictures: "train" (a Hub dataset or an imagefolder) and, with --validation_split, a
+    seeded share of them held out as "validation", the same on every process and at every resume.
+    A "row" column seeds each picture's crop and flip."""
     if args.dataset_name:
         with as_one_line(f"--dataset_name {args.dataset_name}"):
             dataset = datasets.load_dataset(
                 args.dataset_name, args.dataset_config_name, cache_dir=args.cache_dir, split="train"
             )
     else:
-        dataset = load_imagefolder("--train_data_dir", args.train_data_dir, args.cache_dir)
+        folder = args.train_data_dir
+        extensions = datasets.packaged_modules.imagefolder.ImageFolder.EXTENSIONS
+        if not any(path.suffix.lower() in extensions for path in Path(folder).rglob("*")):
+            raise SystemExit(f"error: --train_data_dir {folder}: no pictures in it")
+        # Every picture under the folder, with a metadata.jsonl's columns if it has one.
+        with as_one_line(f"--train_data_dir {folder}"):
+            dataset = datasets.load_dataset(
+                "imagefolder", data_files=f"{folder}/**", cache_dir=args.cache_dir, split="train"
+            )
     for column in columns:
         if column not in dataset.column_names:
             raise SystemExit(f"error: no column {column!r}; the dataset has {dataset.column_names}")
@@ -443,52 +439,10 @@ def load_datasets(args, *columns):
     dataset = dataset.cast_column(args.image_column, datasets.Image(decode=False))
     splits = datasets.DatasetDict(train=dataset.add_column("row", range(len(dataset))))
     if args.validation_split:
-        # The same pictures on every process and at every resume.
         with as_one_line("--validation_split"):
             split = splits["train"].train_test_split(args.validation_split, seed=args.seed)
         splits = datasets.DatasetDict(train=split["train"], validation=split["test"])
-    elif args.validation_data_dir:
-        held_out = load_imagefolder(
-            "--validation_data_dir", args.validation_data_dir, args.cache_dir
-        )
-        with as_one_line("--validation_data_dir: the training set's columns and classes"):
-            held_out = held_out.add_column("row", range(len(held_out)))
-            # Class folders: a held-out picture's label by its folder's name, not its number.
-            for name, feature in splits["train"].features.items():
-                held_out_names = getattr(held_out.features.get(name), "names", None)
-                if held_out_names:
-                    names = getattr(feature, "names", [])
-                    labels = [names.index(held_out_names[i]) for i in held_out[name]]
-                    held_out = held_out.remove_columns(name).add_column(name, labels)
-            splits["validation"] = held_out.cast(splits["train"].features)
-        # A picture in both, by any name, would train.
-        files = [{file_id(x): x["path"] for x in d[args.image_column]} for d in splits.values()]
-        shared = files[0].keys() & files[1].keys() - {None}
-        if shared:
-            raise SystemExit(f"error: --validation_data_dir: {files[1][min(shared)]} also trains")
-    # Read now: a held-out picture that cannot be read stops the run before it trains.
-    if "validation" in splits:
-        for item in splits["validation"][args.image_column]:
-            open_image(item)
     return splits
-
-
-def file_id(item):
-    """A picture's file: its device and inode, the same for all of its names; None for a picture
-    stored in the dataset."""
-    path = item["path"]
-    return os.stat(path)[1:3] if not item["bytes"] and os.path.isfile(path) else None
-
-
-def load_imagefolder(flag, folder, cache_dir):
-    """Every picture under `folder`, with a metadata.jsonl's columns if it has one."""
-    extensions = datasets.packaged_modules.imagefolder.ImageFolder.EXTENSIONS
-    if not any(path.suffix.lower() in extensions for path in Path(folder).rglob("*")):
-        raise SystemExit(f"error: {flag} {folder}: no pictures in it")
-    with as_one_line(f"{flag} {folder}"):
-        return datasets.load_dataset(
-            "imagefolder", data_files=f"{folder}/**", cache_dir=cache_dir, split="train"
-        )
 
 
 def open_image(item):
@@ -496,17 +450,10 @@ def open_image(item):
     it), 16-bit greys rounded to 8 bits rather than clipped, transparent pixels on white."""
     with as_one_line(f"image {item['path']}"):
         image = datasets.Image().decode_example(item)
-    # One channel of 16 bits (modes I;16, I;16B, I) or floats (F): 0..65535 or 0..1 to 0..255,
-    # rounded; a PNG's transparent value (tRNS) is compared before, as an alpha channel.
-    if image.mode[0] in "IF":
+    # One channel of 16 bits (modes I;16, I;16B, I): 0..65535 to 0..255, rounded.
+    if image.mode[0] == "I":
         values = transforms.functional.pil_to_tensor(image.convert("F")).double()
-        top = 1 if image.mode == "F" else 65535
-        if not 0 <= values.min() <= values.max() <= top:
-            raise SystemExit(f"error: image {item['path']}: values outside 0..{top}")
-        layers = [(values * 255 / top).round().byte()]
-        if "transparency" in image.info:
-            layers.append((values != image.info["transparency"]).byte() * 255)
-        image = transforms.functional.to_pil_image(torch.cat(layers))
+        image = transforms.functional.to_pil_image((values * 255 / 65535).round().byte())
     if image.has_transparency_data:
         warnings.warn("Transparent pixels are composited on white.")
         image = Image.alpha_composite(Image.new("RGBA", image.size, "white"), image.convert("RGBA"))
@@ -574,27 +521,6 @@ def resume_from_checkpoint(accelerator, args):
         return int(checkpoint.rsplit("-", 1)[1])
 
 
-def keep_held_out_rows(accelerator, args, splits):
-    """Each checkpoint keeps the rows that --validation_split holds out. A resume whose split would
-    hold out a row its checkpoint trained on stops: that picture's loss would not be held out."""
-    rows = sorted(splits["validation"].with_format(None)["row"]) if args.validation_split else []
-
-    def save_rows(models, weights, output_dir):
-        if accelerator.is_main_process:
-            torch.save(rows, f"{output_dir}/held_out_rows.pt")
-
-    # A checkpoint of an earlier version of the script has no such file.
-    def check_rows(models, input_dir):
-        saved = f"{input_dir}/held_out_rows.pt"
-        if os.path.exists(saved) and set(rows) - set(torch.load(saved)):
-            raise SystemExit(
-                "error: --validation_split, --seed: the checkpoint trained on held-out pictures"
-            )
-
-    accelerator.register_save_state_pre_hook(save_rows)
-    accelerator.register_load_state_pre_hook(check_rows)
-
-
 def min_snr_weights(noise_scheduler, timesteps, snr_gamma):
     """Min-SNR-γ (Hang et al. 2023): the loss on x_0 weighted by min(SNR(t), γ), with SNR(t) =
     ᾱ_t / (1 - ᾱ_t), so that the nearly clean timesteps no longer dominate the gradient. The loss
@@ -606,20 +532,19 @@ def min_snr_weights(noise_scheduler, timesteps, snr_gamma):
 
 def log_held_out_loss(accelerator, held_out, picture_loss, model, global_step):
     """The loss on the held-out pictures: val_loss, and val_loss_t0 to t3 over the quarters of the
-    schedule, low noise to high (val_loss is their mean weighted by their counts). The same for the
-    same weights on any number of processes: picture k of n gets t = (k + ½)·T/n and an ε seeded
-    by k, whichever process takes it; gather_object puts the processes' shares back in order."""
+    schedule, low noise to high (val_loss is their mean weighted by their counts). Picture k of n
+    gets t = (k + ½)·T/n and an ε seeded by k; every process measures every picture, so the numbers
+    are the same for the same weights on any number of processes."""
     n = len(held_out)
     losses = []
     # No dropout.
     model.eval()
-    with torch.no_grad(), accelerator.split_between_processes(list(range(n))) as share:
-        for k in share:
-            batch = send_to_device(default_collate([held_out[k]]), accelerator.device)
+    with torch.no_grad():
+        for k in range(n):
+            batch = default_collate([held_out[k]])
             generator = torch.Generator().manual_seed(k)
             losses.append(picture_loss(batch, generator, (k + 0.5) / n).item())
     model.train()
-    losses = gather_object(losses)
     logs = {"val_loss": sum(losses) / n}
     quarters = [int(4 * (k + 0.5) / n) for k in range(n)]
     for q in sorted(set(quarters)):
@@ -657,7 +582,12 @@ def log_validation(accelerator, args, model, ema_model, noise_scheduler, global_
             output_type="pt",
         ).images.float()
     model.train()
-    save_grid(accelerator, args, images, global_step, nrow=math.ceil(len(images) ** 0.5))
+    # One grid: output_dir/samples/step-N.png, and in TensorBoard or wandb.
+    os.makedirs(f"{args.output_dir}/samples", exist_ok=True)
+    grid = f"{args.output_dir}/samples/step-{global_step}.png"
+    torchvision.utils.save_image(images, grid, nrow=math.ceil(len(images) ** 0.5))
+    for tracker in accelerator.trackers:
+        tracker.log_images({"samples": images}, step=global_step)
 
 
 def save_pipeline(args, model, ema_model, noise_scheduler):
@@ -667,52 +597,19 @@ def save_pipeline(args, model, ema_model, noise_scheduler):
     logger.info(f"Saved the pipeline to {args.output_dir}")
 
 
-def save_grid(accelerator, args, images, global_step, nrow):
-    """The images as one grid: output_dir/samples/step-N.png, and in TensorBoard or wandb."""
-    os.makedirs(f"{args.output_dir}/samples", exist_ok=True)
-    grid = f"{args.output_dir}/samples/step-{global_step}.png"
-    torchvision.utils.save_image(images, grid, nrow=nrow)
-    for tracker in accelerator.trackers:
-        tracker.log_images({"samples": images}, step=global_step)
-
-
-def save_model_card(accelerator, args, base_model, tags, usage, shown):
-    """README.md in --output_dir, as the Diffusers examples write one for the Hub: the base model,
-    how to load the weights (lines that run as pasted), their held-out loss, the launch and the
-    command. Code is indented, not fenced: a prompt cannot end the block. A README.md that is not
-    a card of these scripts is kept."""
-    path = Path(args.output_dir, "README.md")
-    if path.exists() and "Held-out loss of these weights" not in path.read_text(errors="replace"):
-        return logger.warning(f"{path} is not a model card of ours: kept, no card written")
-    loss = f"{shown['val_loss']:.4f}" if shown else "not measured (no held-out pictures)"
-    origin = f"Fine-tuned from {base_model}" if base_model else "Trained from scratch"
-    text = (
-        f"# {os.path.basename(os.path.abspath(args.output_dir))}\n\n{origin} by "
-        f"`{os.path.basename(sys.argv[0])}`. Held-out loss of these weights: {loss}.\n\n"
-        f"{textwrap.indent(usage, '    ')}\n\n## Training\n\n"
-        f"{textwrap.indent(str(accelerator.state), '    ')}\n"
-        f"{textwrap.indent(shlex.join(sys.argv), '    ')}\n"
-    )
-    # The Hub checks the header, where base_model must name a model of the Hub, not a folder.
-    hub_model = None if base_model is None or os.path.isdir(base_model) else base_model
-    card_data = ModelCardData(library_name="diffusers", tags=tags, base_model=hub_model)
-    ModelCard(f"---\n{card_data.to_yaml()}\n---\n{text}").save(path)
-
-
 # ------------------------------------------------------------------------------------------------
 # Running for real: bad input in one line, signals, the file `stopped`, processes that end. None
 # of it is diffusion; docs/reference.md ("Running for real") says what each part is for.
 
 
-def check_args(p, args, refused, ignored):
-    """Flags left out stop, ignored ones say so; flags that cannot go together stop."""
+def check_args(p, args, refused):
+    """Flags left out stop (the ignored ones say so in their help); flags that cannot go together
+    stop."""
     for flag, value in vars(args).items():
         if value and flag in refused:
             p.error(f"--{flag} is left out: {refused[flag]}")
-        if value and flag in ignored:
-            print(f"note: --{flag} is ignored: {ignored[flag]}")
-    if args.validate_every_n_steps and not (args.validation_split or args.validation_data_dir):
-        p.error("--validate_every_n_steps needs --validation_split or --validation_data_dir")
+    if args.validate_every_n_steps and not args.validation_split:
+        p.error("--validate_every_n_steps needs --validation_split")
     output_dir = Path(args.output_dir).absolute()
     if any(folder.is_file() for folder in [output_dir, *output_dir.parents]):
         p.error(f"--output_dir {args.output_dir}: a file is in the way")
@@ -757,14 +654,15 @@ def as_one_line(flag):
 
 
 def start_run(accelerator, args):
-    """Before the models load: refuse what cannot run; until the first step a signal ends the run
-    at once; DataLoader workers die with the process."""
+    """Before the models load: refuse a launch that cannot run; until the first step a signal
+    ends the run at once; DataLoader workers die with the process."""
     if accelerator.mixed_precision == "fp16" and accelerator.device.type == "cpu":
         raise SystemExit("error: --mixed_precision fp16 needs a GPU; on a CPU use bf16 or no")
-    if args.use_8bit_adam and accelerator.device.type == "mps":
-        raise SystemExit("error: --use_8bit_adam: bitsandbytes has no 8-bit AdamW for Apple's MPS")
-    if accelerator.distributed_type == DistributedType.FSDP:
-        raise SystemExit("error: launch with DDP or DeepSpeed, not FSDP")
+    zero_stage = (
+        accelerator.state.deepspeed_plugin and accelerator.state.deepspeed_plugin.zero_stage
+    )
+    if accelerator.distributed_type == DistributedType.FSDP or zero_stage == 3:
+        raise SystemExit("error: launch with DDP or DeepSpeed ZeRO-1/2, not FSDP or ZeRO-3")
     handle_signals(accelerator, args, at_once=True)
     atexit.register(kill_workers)
 
@@ -783,7 +681,9 @@ def kill_workers():
 
 
 def handle_signals(accelerator, args, at_once):
-    """SIGTERM (a scheduler's notice), SIGINT (Ctrl-C): at_once the run ends; else the first asks
+    """SIGTERM (a scheduler's notice), SIGINT (Ctrl-C): the main process writes the file `stopped`
+    in --output_dir at once, which a scheduler tests to requeue the run (a launcher may kill the
+    processes before their checkpoint is whole). at_once the run ends; else the first signal asks
     the loop to checkpoint and stop (set_trigger), a second ends the run."""
     received = []
 
@@ -792,8 +692,9 @@ def handle_signals(accelerator, args, at_once):
         if not received or time.monotonic() - received[-1] > 1:
             received.append(time.monotonic())
             why = f"Stopped by {signal.Signals(signum).name}"
-            # Now: a launcher may kill the processes before their checkpoint is whole.
-            write_stopped(accelerator, args, why)
+            if accelerator.is_main_process:
+                os.makedirs(args.output_dir, exist_ok=True)
+                Path(args.output_dir, "stopped").write_text(why)
             if at_once or len(received) > 1:
                 stop_run(accelerator, args, why)
             accelerator.set_trigger()
@@ -812,27 +713,10 @@ def ignore_signals(*worker_id):
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
-def stop_requested(accelerator, launcher=os.getppid()):
-    """Whether any process was signalled, or lost its launcher (`launcher`: the parent as the
-    script started), which a rank outlives if the launcher is killed. All processes call it."""
-    if "LOCAL_RANK" in os.environ and os.getppid() != launcher:
-        accelerator.set_trigger()
-    return accelerator.check_trigger()
-
-
-def write_stopped(accelerator, args, why):
-    """The file `stopped` in --output_dir, which a scheduler tests to requeue the run."""
-    if accelerator.is_main_process:
-        os.makedirs(args.output_dir, exist_ok=True)
-        Path(args.output_dir, "stopped").write_text(why)
-
-
 def stop_run(accelerator, args, why, global_step=None):
-    """A checkpoint of global_step if given, then exit 75 (EX_TEMPFAIL, "try again later"); the
-    file `stopped` says why."""
+    """A checkpoint of global_step if given, then exit 75 (EX_TEMPFAIL, "try again later")."""
     if global_step is not None:
         save_checkpoint(accelerator, args, global_step)
-    write_stopped(accelerator, args, why)
     logger.info(f"{why}: go on with --resume_from_checkpoint latest")
     raise SystemExit(75)
 

@@ -1,10 +1,6 @@
 """Users' own pictures (train_text_to_image.py and train_lora.py share the code): every image decoded as its
 owner sees it, aspect-ratio buckets (one size per batch, nothing stretched, exact resume on 1 and 2 processes,
-cached and not), captions longer than CLIP reads, and the files users load."""
-
-import ast
-import json
-import shutil
+cached and not), and the files users load."""
 
 import numpy as np
 import pytest
@@ -73,22 +69,13 @@ def test_every_picture_decodes_as_its_owner_sees_it(mixed_folder):
     assert open_image(path / "photo.webp").size == (60, 40)
 
 
-def test_sixteen_bit_and_float_pictures_round_and_keep_their_transparent_key(tmp_path):
-    """A 16-bit grey PNG whose tRNS key marks one value transparent (the key is a 16-bit value, compared before
-    the scaling); 16 to 8 bits rounded; a float TIFF read as 0..1; a float outside it ends in one line."""
+def test_sixteen_bit_pictures_round_to_eight_bits(tmp_path):
+    """A 16-bit grey PNG (mode I;16) and a big-endian 16-bit TIFF (I;16B): 16 to 8 bits rounded, not clipped."""
     values = np.array([[0, 128, 32896, 40000], [65535, 1000, 1000, 65407]] * 4, np.uint16)
-    Image.fromarray(values).save(tmp_path / "key.png", transparency=1000)
-    grey = np.asarray(open_image(tmp_path / "key.png"))[..., 0]
-    assert np.array_equal(grey, np.where(values == 1000, 255, np.rint(values / 257)))  # the key on white
-    floats = np.linspace(0, 1, 64, dtype=np.float32).reshape(8, 8)
-    Image.fromarray(values.astype(">u2")).save(tmp_path / "big-endian.tif")  # mode I;16B
+    Image.fromarray(values).save(tmp_path / "grey.png")
+    assert np.array_equal(np.asarray(open_image(tmp_path / "grey.png"))[..., 0], np.rint(values / 257))
+    Image.fromarray(values.astype(">u2")).save(tmp_path / "big-endian.tif")
     assert np.array_equal(np.asarray(open_image(tmp_path / "big-endian.tif"))[..., 0], np.rint(values / 257))
-    Image.fromarray(floats).save(tmp_path / "float.tif")
-    assert np.array_equal(np.asarray(open_image(tmp_path / "float.tif"))[..., 0], np.rint(floats * 255))
-    Image.fromarray(floats * 255).save(tmp_path / "wide.tif")
-    with pytest.raises(SystemExit) as stop:
-        open_image(tmp_path / "wide.tif")
-    assert str(stop.value.code) == f"error: image {tmp_path / 'wide.tif'}: values outside 0..1"
 
 
 def test_an_empty_or_undecodable_file_ends_in_one_line_naming_it(tmp_path, capsys):
@@ -187,15 +174,11 @@ def bucket_run(tmp_path_factory, bucket_args):
     return out, shapes, log
 
 
-def test_every_batch_is_one_bucket_and_the_log_counts_them_once(bucket_run, bucket_args):
+def test_every_batch_is_one_bucket(bucket_run, bucket_args):
     _, shapes, log = bucket_run
     assert len(shapes) == 6 and len({shape[2:] for shape in shapes}) > 1  # several buckets, one a batch
-    counted = [line for line in log if "Images per bucket" in line]
-    assert len(counted) == 1, [line for line in log if "bucket" in line.lower()] or log[:20]
-    counts = ast.literal_eval(counted[0].split(": ", 1)[1])  # {(height, width): images}
-    assert sum(counts.values()) == 10  # every picture, and not notes.md
-    assert any(h > w for h, w in counts) and any(h < w for h, w in counts)  # the portrait's, the panorama's
-    assert {shape[2:] for shape in shapes} <= set(counts)
+    sizes = {shape[2:] for shape in shapes}
+    assert any(h > w for h, w in sizes) and any(h < w for h, w in sizes)  # the portrait's, the panorama's
 
 
 @pytest.mark.parametrize("cached", [False, True])
@@ -244,17 +227,3 @@ def test_without_the_flag_one_square_bucket_trains_the_same_weights(bucket_args,
     train_in_process(T2I, args + ["--output_dir", tmp_path / "plain"])
     train_in_process(T2I, args + ["--output_dir", tmp_path / "square", "--aspect_ratio_buckets", "32,32"])
     assert_same_weights(weights(tmp_path / "square" / "unet"), weights(tmp_path / "plain" / "unet"))
-
-
-def test_captions_longer_than_clip_reads_are_counted_once(tiny_sd_path, tmp_path, caplog):
-    from conftest import write_imagefolder
-
-    folder = write_imagefolder(tmp_path / "long", 4, columns=())
-    rows = [{"file_name": f"{i:04d}.png", "text": " ".join(["digit"] * (100 if i < 3 else 5))} for i in range(4)]
-    (tmp_path / "long" / "metadata.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
-    caplog.set_level("WARNING")
-    train_in_process(T2I, ["--pretrained_model_name_or_path", tiny_sd_path, "--train_data_dir", folder,
-                           "--resolution", "64", "--max_train_steps", "1", "--train_batch_size", "2",
-                           "--report_to", "none", "--output_dir", tmp_path / "out"])
-    assert caplog.text.count("3 captions are over 77 tokens: cut there") == 1
-    shutil.rmtree(tmp_path / "out")

@@ -98,15 +98,16 @@ def test_cached_latents_are_the_vaes_moments_of_both_sides(digits_folder, tiny_s
     vae = AutoencoderKL.from_pretrained(tiny_sd_path, subfolder="vae")
     args = script.parse_args(["--train_data_dir", digits_folder, "--model_config_name_or_path", "x", "--random_flip",
                               "--resolution", "64", "--center_crop", "--output_dir", "unused"])
-    dataset = script.load_datasets(args, "image")["train"].select(range(2))
+    splits = script.load_datasets(args, "image")
+    splits["train"] = splits["train"].select(range(2))
     augment = transforms.Compose([transforms.Resize(64), transforms.CenterCrop(64), transforms.ToTensor(),
                                   transforms.Normalize([0.5], [0.5])])
-    encoded = script.encode_latents(dataset[:2], args, augment, vae)["latent_moments"]
-    pixels = torch.stack([augment(script.open_image(item).convert("RGB")) for item in dataset[:2]["image"]])
+    cache = script.cache_latents(args, splits, augment, vae)  # by row: both sides' μ and log σ²
+    pixels = torch.stack([augment(script.open_image(item).convert("RGB")) for item in splits["train"]["image"]])
     with torch.no_grad():
         for side, images in enumerate([pixels, pixels.flip(-1)]):
             expected = vae.encode(images).latent_dist.parameters
-            cached = torch.stack([torch.frombuffer(bytearray(b), dtype=torch.float32).view(2, 8, 8, 8)[side] for b in encoded])
+            cached = torch.stack([cache[row][side] for row in splits["train"]["row"]])
             torch.testing.assert_close(cached, expected)
 
 

@@ -62,7 +62,7 @@ def test_the_lora_command_makes_every_file_the_section_promises(tiny_sd_path, ph
     assert (out / "pytorch_lora_weights.safetensors").exists() and (out / "my-lora.safetensors").exists()
     card = (out / "README.md").read_text()
     assert f"Fine-tuned from {tiny_sd_path}" in card and "Held-out loss of these weights: " in card
-    assert "Num processes: 1" in card and "--aspect_ratio_buckets auto" in card
+    assert "--aspect_ratio_buckets auto" in card
     assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-4"]
     assert (out / "checkpoint-2" / "pytorch_lora_weights.safetensors").exists()
     assert list((out / "samples").glob("step-*.png"))

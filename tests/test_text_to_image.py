@@ -162,10 +162,9 @@ def test_a_refused_official_flag_ends_in_one_line(flag, why, capsys):
     assert error.split(": error: ", 1)[1].startswith(why)
 
 
-def test_ignored_official_flags_say_so_and_train(common, tmp_path, capsys, monkeypatch):
-    """Ignored flags say so in a note each; --foreach_ema reaches EMAModel (its foreach update), and
-    --dream_detail_preservation means nothing without --dream_training, in the official script too: a note
-    says so."""
+def test_ignored_official_flags_train(common, tmp_path, monkeypatch):
+    """Ignored flags (their help says why) train; --foreach_ema reaches EMAModel (its foreach update), and
+    --dream_detail_preservation means nothing without --dream_training, in the official script too."""
     script, built = import_script("train_text_to_image"), []
 
     class RecordedEMA(script.EMAModel):
@@ -177,8 +176,6 @@ def test_ignored_official_flags_say_so_and_train(common, tmp_path, capsys, monke
     ignored = ["--enable_xformers_memory_efficient_attention", "--offload_ema"]
     train_in_process(SCRIPT, common + ["--output_dir", tmp_path, "--max_train_steps", "1", *ignored, "--foreach_ema",
                                        "--dream_detail_preservation", "0.5"])
-    notes = [line for line in capsys.readouterr().out.splitlines() if line.startswith("note: ")]
-    assert sorted(n.split()[1] for n in notes) == sorted(ignored + ["--dream_detail_preservation"])
     assert built == [True] and (tmp_path / "unet").is_dir()
 
 

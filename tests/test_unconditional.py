@@ -249,7 +249,7 @@ def test_a_refused_official_flag_ends_in_one_line(flag, expected, capsys):
     assert error.split(": error: ", 1)[1].startswith(expected)
 
 
-def test_an_ignored_official_flag_says_so_and_runs(digits_folder, tiny_unet_config, tmp_path, capsys):
+def test_an_ignored_official_flag_runs(digits_folder, tiny_unet_config, tmp_path):
     from diffusers import DDPMPipeline
 
     out = tmp_path / "xformers"
@@ -257,7 +257,6 @@ def test_an_ignored_official_flag_says_so_and_runs(digits_folder, tiny_unet_conf
                               "--resolution", "32", "--max_train_steps", "1", "--ddpm_num_inference_steps", "1",
                               "--eval_batch_size", "1", "--logger", "none", "--output_dir", out,
                               "--enable_xformers_memory_efficient_attention"])
-    assert "note: --enable_xformers_memory_efficient_attention is ignored: PyTorch's SDPA" in capsys.readouterr().out
     DDPMPipeline.from_pretrained(out)
 
 
@@ -280,7 +279,7 @@ def victim(reference, tmp_path_factory):
     ("missing_checkpoint", "error: --resume_from_checkpoint {victim}/checkpoint-99: "),
     ("corrupt_checkpoint", "error: --resume_from_checkpoint {victim}/checkpoint-4: "),
     ("push_to_hub_offline", "error: --push_to_hub: "),
-    ("zero3", "error: launch with DDP or DeepSpeed ZeRO-1/2, not ZeRO-3"),
+    ("zero3", "error: launch with DDP or DeepSpeed ZeRO-1/2, not FSDP or ZeRO-3"),
 ])
 def test_bad_input_is_one_clear_error_before_training(case, expected, victim, digits_folder, corrupt_folder, empty_folder,
                                                        tiny_unet_config, run_in_process, monkeypatch):
@@ -536,4 +535,4 @@ def test_the_file_stopped_is_written_when_the_signal_arrives(stop_args, tmp_path
     monkeypatch.setattr(Accelerator, "save_state", record)
     with pytest.raises(SystemExit):
         train_in_process(SCRIPT, stop_args + ["--output_dir", out])
-    assert seen == [True] and (out / "stopped").read_text() == "Stopped at step 3"
+    assert seen == [True] and (out / "stopped").read_text() == "Stopped by SIGTERM"

@@ -23,7 +23,6 @@ import signal
 import sys
 import textwrap
 import time
-import warnings
 from collections import Counter
 from dataclasses import replace
 from datetime import timedelta
@@ -148,7 +147,14 @@ def parse_args(argv=None):
         help="Hold out this share of the pictures (seeded); resume with the same share and --seed.",
     )
     p.add_argument("--validate_every_n_steps", type=count, help="Held-out loss every N steps.")
-    p.add_argument("--resume_from_checkpoint", help='checkpoint-N in --output_dir, or "latest".')
+    # --overwrite_output_dir in a requeued command would remove the run at every restart.
+    again = p.add_mutually_exclusive_group()
+    again.add_argument(
+        "--resume_from_checkpoint", help='checkpoint-N in --output_dir, or "latest".'
+    )
+    again.add_argument(
+        "--overwrite_output_dir", action="store_true", help="Start again over a run."
+    )
     p.add_argument("--push_to_hub", action="store_true", help="Upload to the Hub; log in first.")
     p.add_argument("--hub_model_id", help="The Hub repo; default: --output_dir's name.")
     p.add_argument("--hub_private_repo", action="store_true", help="Make the Hub repo private.")
@@ -160,9 +166,6 @@ def parse_args(argv=None):
     refused = {"hub_token": "a token in a command lands in shell history; run `hf auth login`"}
     check_args(p, args, refused)
     args.lora_alpha = args.lora_alpha or args.rank
-    # No images to draw: no validation at all.
-    if args.num_validation_images == 0:
-        args.validation_prompts = None
     return args
 
 
@@ -187,6 +190,7 @@ def main(args):
     logging.basicConfig(level=logging.INFO)
     # What a real launch needs beside the lesson: "Running for real", at the end of the file.
     start_run(accelerator, args)
+    check_folders(args, "pytorch_lora_weights.safetensors", args.instance_prompt is None)
     # The same initial weights on every process.
     set_seed(args.seed)
     torch.backends.cuda.matmul.allow_tf32 = args.allow_tf32
@@ -258,8 +262,8 @@ def main(args):
         splits = load_datasets(args, args.image_column)
     if args.instance_prompt is None and args.caption_column not in splits["train"].column_names:
         # kohya's layout: a caption file beside each image (0001.png, 0001.txt).
-        way_out = "give --instance_prompt (one prompt for all) or a caption file beside each image"
-        with as_one_line(f"no column {args.caption_column!r} (--caption_column); {way_out}"):
+        way_out = "give --instance_prompt or a caption file beside each image"
+        with as_one_line(f"no column {args.caption_column!r}; {way_out}"):
             splits = splits.map(partial(read_caption, args=args), input_columns=args.image_column)
     # Aspect-ratio buckets: each image trains at the size (height, width) of the bucket nearest its
     # aspect ratio, so that a portrait or a panorama is not cut to a square.
@@ -384,6 +388,7 @@ def main(args):
         ema_model.to(accelerator.device)
     first_epoch = global_step // steps_per_epoch
     skip_batches = (global_step % steps_per_epoch) * accumulation
+    remove_earlier_run(accelerator, args)
     hparams = {k: v for k, v in vars(args).items() if isinstance(v, (int, float, str))}
     # The Diffusers LoRA example's project name.
     accelerator.init_trackers("text2image-fine-tune", config=hparams)
@@ -435,7 +440,7 @@ def main(args):
         with ema_weights(ema_model, lora_params):
             shown = log_held_out_loss(accelerator, held_out, picture_loss, unet, global_step)
     # From now on a signal saves a checkpoint first.
-    handle_signals(accelerator, args, at_once=False)
+    signals = handle_signals(accelerator, args, at_once=False)
     # The loss is summed on the device, read every 10 steps: a read makes the CPU wait.
     train_loss = 0.0
     logged_step = global_step
@@ -490,7 +495,12 @@ def main(args):
             epoch_end = global_step % steps_per_epoch == 0 or last_step
             # Read before anything is saved: a checkpoint, at an epoch's end, at the last step.
             read = global_step % 10 == 0 or save or epoch_end
-            if read:
+            # A signal stops every process at the same step, before validation: one process reads
+            # its handler's list at every step; several check together where they read the loss.
+            stop = (
+                signals if accelerator.num_processes == 1 else read and accelerator.check_trigger()
+            )
+            if read or stop:
                 # The mean loss of the steps since the last read, over every process.
                 steps = global_step - logged_step
                 mean_loss = accelerator.reduce(train_loss, "mean").item() / steps
@@ -505,6 +515,8 @@ def main(args):
                         f"error: the loss is {mean_loss} at step {global_step}: resume an earlier "
                         "checkpoint with a lower --learning_rate"
                     )
+            if stop:
+                stop_run(accelerator, args, f"Stopped at step {global_step}", global_step)
 
             # 8. Validation, EMA weights if any: the held-out loss every --validate_every_n_steps
             #    and at the last step; the prompts without and with the LoRA
@@ -520,10 +532,6 @@ def main(args):
             due = epoch_end and (epoch % args.validation_epochs == 0 or last_epoch)
             if args.validation_prompts and due and accelerator.is_main_process:
                 log_validation(accelerator, args, base, ema_model, global_step, lora_params)
-            # A signal to any process stops them all at the same step, after validation (at steps
-            # that read the loss or the held-out loss: the check makes the processes wait).
-            if (read or held_out_due) and accelerator.check_trigger():
-                stop_run(accelerator, args, f"Stopped at step {global_step}", global_step)
             if save:
                 save_checkpoint(accelerator, args, global_step)
 
@@ -539,7 +547,6 @@ def main(args):
         # The UNet's LoRA, and the text encoder's if it learns.
         save_lora(args.output_dir, *trained)
         save_kohya(args)
-        logger.info(f"Saved to {args.output_dir}")
         prompt = (args.validation_prompts or ["a photo"])[0]
         where = repo.repo_id if args.push_to_hub else args.output_dir
         usage = "from diffusers import StableDiffusionPipeline\n\n"
@@ -566,10 +573,7 @@ def load_datasets(args, *columns):
             )
     else:
         folder = args.train_data_dir
-        extensions = datasets.packaged_modules.imagefolder.ImageFolder.EXTENSIONS
-        if not any(path.suffix.lower() in extensions for path in Path(folder).rglob("*")):
-            raise SystemExit(f"error: --train_data_dir {folder}: no pictures in it")
-        # Every picture under the folder, with a metadata.jsonl's columns if it has one.
+        # Every picture under the folder, with a metadata file's columns.
         with as_one_line(f"--train_data_dir {folder}"):
             dataset = datasets.load_dataset(
                 "imagefolder", data_files=f"{folder}/**", cache_dir=args.cache_dir, split="train"
@@ -603,7 +607,6 @@ def open_image(item):
         values = transforms.functional.pil_to_tensor(image.convert("F")).double()
         image = transforms.functional.to_pil_image((values * 255 / 65535).round().byte())
     if image.has_transparency_data:
-        warnings.warn("Transparent pixels are composited on white.")
         image = Image.alpha_composite(Image.new("RGBA", image.size, "white"), image.convert("RGBA"))
     return image.convert("RGB")
 
@@ -616,15 +619,14 @@ def parse_buckets(args, step):
         heights = range(step, 4 * args.resolution + 1, step)
         sizes = {(height, area // height // step * step) for height in heights}
         sizes |= {(width, height) for height, width in sizes}
-        if args.resolution < step:
-            raise SystemExit(
-                f"error: --aspect_ratio_buckets auto needs --resolution {step} or more"
-            )
-        return sorted(size for size in sizes if 0 < max(size) <= 4 * min(size))
-    with as_one_line(f"--aspect_ratio_buckets {args.aspect_ratio_buckets}"):
-        sizes = parse_buckets_string(args.aspect_ratio_buckets)
-    if any(height % step or width % step for height, width in sizes):
-        raise SystemExit(f"error: --aspect_ratio_buckets: give h,w pairs in steps of {step} px")
+        sizes = sorted(size for size in sizes if max(size) <= 4 * min(size))
+    else:
+        with as_one_line(f"--aspect_ratio_buckets {args.aspect_ratio_buckets}"):
+            sizes = parse_buckets_string(args.aspect_ratio_buckets)
+    # None for "auto" below --resolution `step`.
+    if not sizes or any(height % step or width % step for height, width in sizes):
+        why = f"sides in steps of {step} px, --resolution {step} or more"
+        raise SystemExit(f"error: --aspect_ratio_buckets {args.aspect_ratio_buckets}: {why}")
     return sizes
 
 
@@ -851,11 +853,14 @@ def ema_weights(ema_model, parameters):
 def log_validation(accelerator, args, pipeline, ema_model, global_step, lora_params):
     """A row per prompt: its images at LoRA scale 0 (the base model), then at scale 1, from the
     same noise each time."""
+    n = args.num_validation_images
+    # None to draw: no validation at all.
+    if not n:
+        return
     unet = pipeline.unet
     # No dropout while sampling.
     unet.eval()
     pipeline.set_progress_bar_config(disable=True)
-    n = args.num_validation_images
     images = []
     with ema_weights(ema_model, lora_params), accelerator.autocast():
         for scale in (0, 1):
@@ -914,7 +919,7 @@ def save_model_card(args, tags, usage, shown):
     path = Path(args.output_dir, "README.md")
     if path.exists() and "Held-out loss of these weights" not in path.read_text(errors="replace"):
         return logger.warning(f"{path} is not a model card of ours: kept, no card written")
-    loss = f"{shown['val_loss']:.4f}" if shown else "not measured (no held-out pictures)"
+    loss = f"{shown['val_loss']:.4f}" if shown else "not measured"
     base_model = args.pretrained_model_name_or_path
     text = (
         f"# {os.path.basename(os.path.abspath(args.output_dir))}\n\nFine-tuned from {base_model} "
@@ -941,9 +946,6 @@ def check_args(p, args, refused):
             p.error(f"--{flag} is left out: {refused[flag]}")
     if args.validate_every_n_steps and not args.validation_split:
         p.error("--validate_every_n_steps needs --validation_split")
-    output_dir = Path(args.output_dir).absolute()
-    if any(folder.is_file() for folder in [output_dir, *output_dir.parents]):
-        p.error(f"--output_dir {args.output_dir}: a file is in the way")
 
 
 def count(text, least=1):
@@ -984,6 +986,55 @@ def as_one_line(flag):
         raise SystemExit(f"error: {flag}: {type(e).__name__}: {' '.join(str(e).split())}") from None
 
 
+def check_folders(args, final_file, reads_captions=False):
+    """Before the models load, on every process: --output_dir holds no earlier run (checkpoints or
+    final_file) that this one would replace, and --train_data_dir holds pictures; any other file
+    in it that is not read (datasets' metadata, caption files where they are read) is named."""
+    output_dir = Path(args.output_dir)
+    if any(folder.is_file() for folder in [output_dir, *output_dir.absolute().parents]):
+        raise SystemExit(f"error: --output_dir {output_dir}: a file is in the way")
+    earlier = list_checkpoints(output_dir) or (output_dir / final_file).exists()
+    if earlier and not (args.resume_from_checkpoint or args.overwrite_output_dir):
+        raise SystemExit(
+            f"error: --output_dir {output_dir} holds an earlier run: go on with "
+            "--resume_from_checkpoint latest, or start again with --overwrite_output_dir"
+        )
+    if args.train_data_dir is None:
+        return
+    folder = Path(args.train_data_dir)
+    if not folder.is_dir():
+        raise SystemExit(f"error: --train_data_dir {folder}: no such folder")
+    # What datasets' imagefolder reads: no hidden file; pictures by extension, metadata by name.
+    imagefolder = datasets.packaged_modules.imagefolder.ImageFolder
+    files = [
+        p for p in folder.rglob("*") if p.is_file() and "/." not in f"/{p.relative_to(folder)}"
+    ]
+    kinds = Counter(p.suffix.lower() for p in files if p.name not in imagefolder.METADATA_FILENAMES)
+    if not kinds.keys() & set(imagefolder.EXTENSIONS):
+        raise SystemExit(f"error: --train_data_dir {folder}: no pictures in it, only {dict(kinds)}")
+    read = [*imagefolder.EXTENSIONS, reads_captions and args.caption_extension.lower()]
+    unread = {kind: n for kind, n in kinds.items() if kind not in read}
+    if unread:
+        logger.warning(
+            f"{sum(unread.values())} files not read {unread}: convert pictures to JPEG or PNG"
+        )
+
+
+def remove_earlier_run(accelerator, args):
+    """--overwrite_output_dir: the earlier run's checkpoints, samples and logs (where they lie in
+    --output_dir) go; its final weights are replaced at the end; nothing else is touched."""
+    # Every process has read the folder (check_folders) before prepare, where they all meet.
+    if args.overwrite_output_dir and accelerator.is_main_process:
+        output_dir = Path(args.output_dir)
+        earlier = [*list_checkpoints(output_dir), *output_dir.glob("tmp-checkpoint-*"), "samples"]
+        logs = output_dir / args.logging_dir
+        if output_dir.resolve() in logs.resolve().parents:
+            earlier.append(logs)
+        for path in earlier:
+            shutil.rmtree(output_dir / path, ignore_errors=True)
+    accelerator.wait_for_everyone()
+
+
 def start_run(accelerator, args):
     """Before the models load: refuse a launch that cannot run; until the first step a signal
     ends the run at once; DataLoader workers die with the process."""
@@ -1012,7 +1063,8 @@ def handle_signals(accelerator, args, at_once):
     """SIGTERM (a scheduler's notice), SIGINT (Ctrl-C): the main process writes the file `stopped`
     in --output_dir at once, which a scheduler tests to requeue the run (a launcher may kill the
     processes before their checkpoint is whole). at_once the run ends; else the first signal asks
-    the loop to checkpoint and stop (set_trigger), a second ends the run."""
+    the loop to checkpoint and stop (the list returned; set_trigger for the other processes), a
+    second ends the run."""
     received = []
 
     def handler(signum, frame):
@@ -1032,6 +1084,7 @@ def handle_signals(accelerator, args, at_once):
         Path(args.output_dir, "stopped").unlink(missing_ok=True)
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, handler)
+    return received
 
 
 def ignore_signals(*worker_id):

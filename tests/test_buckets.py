@@ -126,7 +126,7 @@ def test_auto_buckets_are_about_the_resolution_squared_in_the_models_steps():
     args.aspect_ratio_buckets = "512,512;384,640"
     assert script.parse_buckets(args, step=64) == [(512, 512), (384, 640)]
     args.aspect_ratio_buckets, args.resolution = "auto", 32
-    with pytest.raises(SystemExit, match="^error: --aspect_ratio_buckets auto needs --resolution 64 or more$"):
+    with pytest.raises(SystemExit, match="^error: --aspect_ratio_buckets auto: sides in steps of 64 px, --resolution 64 or more$"):
         script.parse_buckets(args, step=64)
     for wrong in ["512,500", "512", "a,b"]:
         args.aspect_ratio_buckets = wrong

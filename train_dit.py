@@ -543,8 +543,7 @@ def open_image(item):
 
 def cache_latents(args, splits, augment, vae):
     """Each picture's VAE posterior, mean and log-variance, of both sides if flipping, by its row:
-    each step still draws its own latent z_0 = μ + σ·n. Held in memory, as kohya does: every
-    process encodes every picture once a run."""
+    each step still draws its own z_0 = μ + σ·n. In memory: each process encodes all, once."""
     cache = {}
     for split in splits.values():
         for examples in split.iter(batch_size=args.train_batch_size):
@@ -822,7 +821,9 @@ def check_folders(args, final_file, reads_captions=False):
     files = [
         p for p in folder.rglob("*") if p.is_file() and "/." not in f"/{p.relative_to(folder)}"
     ]
-    kinds = Counter(p.suffix.lower() for p in files if p.name not in imagefolder.METADATA_FILENAMES)
+    kinds = Counter(
+        sorted(p.suffix.lower() for p in files if p.name not in imagefolder.METADATA_FILENAMES)
+    )
     if not kinds.keys() & set(imagefolder.EXTENSIONS):
         raise SystemExit(f"error: --train_data_dir {folder}: no pictures in it, only {dict(kinds)}")
     read = [*imagefolder.EXTENSIONS, reads_captions and args.caption_extension.lower()]

@@ -1009,7 +1009,9 @@ def check_folders(args, final_file, reads_captions=False):
     files = [
         p for p in folder.rglob("*") if p.is_file() and "/." not in f"/{p.relative_to(folder)}"
     ]
-    kinds = Counter(p.suffix.lower() for p in files if p.name not in imagefolder.METADATA_FILENAMES)
+    kinds = Counter(
+        sorted(p.suffix.lower() for p in files if p.name not in imagefolder.METADATA_FILENAMES)
+    )
     if not kinds.keys() & set(imagefolder.EXTENSIONS):
         raise SystemExit(f"error: --train_data_dir {folder}: no pictures in it, only {dict(kinds)}")
     read = [*imagefolder.EXTENSIONS, reads_captions and args.caption_extension.lower()]

@@ -367,7 +367,8 @@ def signal_on_call(monkeypatch, owner, name, calls):
 def test_a_signal_at_any_moment_saves_and_the_resume_is_exact(moment, stop_args, uninterrupted, tmp_path, caplog,
                                                               monkeypatch, signal_handlers):
     """SIGTERM after the first optimizer step, inside the first micro-batch of two, or during the checkpoint save
-    at step 5: the run saves at the next read of the loss and exits with 75; resumed, it ends bit-equal to the
+    at step 5: with one process the run saves at the end of that optimizer step (step 1; step 6 for the save at
+    5), not at the next read of the loss (step 3), and exits with 75; resumed, it ends bit-equal to the
     uninterrupted run."""
     from accelerate import Accelerator
     from accelerate.scheduler import AcceleratedScheduler
@@ -384,7 +385,7 @@ def test_a_signal_at_any_moment_saves_and_the_resume_is_exact(moment, stop_args,
         with pytest.raises(SystemExit) as stop:
             train_in_process(SCRIPT, stop_args + ["--output_dir", out])
     assert stop.value.code == 75
-    stopped = 6 if moment == "mid_save" else 3  # read at the epoch's end: the signal in the save at 5 at 6
+    stopped = 6 if moment == "mid_save" else 1
     assert f"Stopped at step {stopped}: go on with --resume_from_checkpoint latest" in caplog.text
     assert checkpoints(out)[-1] == f"checkpoint-{stopped}"
     train_in_process(SCRIPT, stop_args + ["--output_dir", out, "--resume_from_checkpoint", "latest"])

@@ -145,9 +145,9 @@ def test_a_combined_run_ends_where_the_uninterrupted_one_does(index, folder, ref
         watch = Watch(out)
         status, log, _ = launch(run, args, {"STOP_AT": str(stop or 0)})
         if stop:
-            # One process exits 75 itself; `accelerate launch` turns its ranks' 75 into 1, and the file
-            # `stopped` is what a scheduler reads.
-            assert status == (1 if run["processes"] else 75), log[-3000:]
+            # One process, under `python`, exits 75 itself; what `accelerate launch` returns for its ranks is
+            # the launcher's own (1 on accelerate 1.15), and the file `stopped` is what a scheduler reads.
+            assert status == 75 if not run["processes"] else status != 0, log[-3000:]
             # At the first read of the loss from the signal on: every 10 steps, at a checkpoint, an epoch's end.
             stopped = int(checkpoints(out)[-1].split("-")[1])
             assert (out / "stopped").exists() and stopped >= stop and f"Stopped at step {stopped}: go on" in log
@@ -197,7 +197,7 @@ def test_the_slurm_recipe_requeues_a_stopped_two_process_run_and_not_a_finished_
            "PATH": f"{bin_dir}:{os.environ['PATH']}"}
     stopped = subprocess.run(["bash", "job.sh"], cwd=tmp_path, env={**env, "STOP_AT": "3"}, capture_output=True,
                              text=True, timeout=600)
-    assert stopped.returncode == 1, stopped.stdout[-3000:] + stopped.stderr[-3000:]
+    assert stopped.returncode != 0, stopped.stdout[-3000:] + stopped.stderr[-3000:]
     assert (tmp_path / "scontrol.log").read_text() == "requeue 4242\n"
     again = subprocess.run(["bash", "job.sh"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]

@@ -6,7 +6,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from conftest import checkpoints, import_script, run_script, train_in_process, zero
+from conftest import checkpoints, import_script, run_script, train_in_process, zero  # noqa: I001
 from test_edges import folders, script_args, signal_handlers  # noqa: F401 (fixtures)
 
 SCRIPTS = ["train_unconditional.py", "train_dit.py", "train_text_to_image.py", "train_lora.py"]
@@ -121,3 +121,42 @@ def test_a_missing_folder_fails_before_any_model_loads(script, folders, tmp_path
             args[args.index(flag) + 1] = tmp_path / "no-model"
     assert run_in_process(script, args) == f"error: --train_data_dir {tmp_path / 'no-such'}: no such folder"
     assert not (tmp_path / "out").exists()
+
+
+def test_the_readmes_background_commands_stop_with_a_checkpoint(tiny_sd_path, kohya_folder, tmp_path):
+    """README, "In the background": its commands as written, in a non-interactive bash, but for the arguments
+    (a tiny model, CPU processes): one process under `nohup python`, two under `setsid ... accelerate launch`;
+    each `kill` line leaves the file `stopped` and a checkpoint, and every process ends."""
+    import os
+    import re
+    import subprocess
+    import sys
+
+    from conftest import HF_ENV, REPO, _accelerate_config, _free_port
+
+    readme = (REPO / "README.md").read_text()
+    block = re.search(r"### In the background\n.*?```bash\n(.*?)```", readme, re.S).group(1)
+    one, several = block.split("\n\n")
+    args = ["--pretrained_model_name_or_path", tiny_sd_path, "--train_data_dir", kohya_folder, "--resolution", "64",
+            "--max_train_steps", "400", "--checkpointing_steps", "200", "--report_to", "none"]
+    launch = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", _accelerate_config(),
+              "--multi_gpu", "--num_processes", "2", "--main_process_port", str(_free_port())]
+    for name, commands in [("one", one), ("several", several)]:
+        out = tmp_path / name
+        out.mkdir()
+        full = " ".join(map(str, [REPO / "train_lora.py", *args, "--output_dir", out]))
+        script = commands.replace(".venv/bin/python train_lora.py ...", f"{sys.executable} {full}")
+        script = script.replace(".venv/bin/accelerate launch --multi_gpu train_lora.py ...", " ".join([*launch, full]))
+        assert "..." not in script, script
+        # Before each kill: the training has started. After it: every process of the run has ended.
+        script = re.sub(r"^(kill .*)$", r"until grep -q 'steps of' train.log; do sleep 0.2; done; sleep 1; \1",
+                        script, flags=re.M)
+        script += "\nwhile pgrep -f " + str(out) + " > /dev/null; do sleep 0.5; done\n"
+        env = {**os.environ, **HF_ENV, "ACCELERATE_USE_CPU": "1"}
+        (tmp_path / f"{name}.sh").write_text(script)
+        done = subprocess.run(["bash", tmp_path / f"{name}.sh"], cwd=out, env=env, capture_output=True, text=True,
+                              timeout=600)
+        log = (out / "train.log").read_text()
+        assert done.returncode == 0, done.stderr[-2000:] + log[-3000:]
+        assert (out / "stopped").exists() and checkpoints(out), log[-3000:]
+        assert not (out / "pytorch_lora_weights.safetensors").exists()  # stopped, not trained to the end

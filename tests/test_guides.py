@@ -380,10 +380,11 @@ def test_diffusers_card_helper_fails_for_absolute_and_dot_paths_not_a_bare_name(
     assert load_or_create_model_card("out", from_training=True).data.library_name == "diffusers"
 
 
-def test_one_process_accelerate_launch_dies_on_a_signal_and_the_script_saves(tmp_path, tiny_unet_config):
-    """The README and docs/reference.md: under a one-process `accelerate launch` a signal to the process group
-    ends the launcher at once (the shell sees 143 for SIGTERM, 130 for Ctrl-C's SIGINT), while the script saves
-    a checkpoint, writes the file `stopped` and stops on its own. Both signals, in two launches side by side."""
+def test_one_process_accelerate_launch_signalled_checkpoints_the_step_it_is_in(tmp_path, tiny_unet_config):
+    """A one-process `accelerate launch` whose steps are slow (0.1 s a micro-batch), its process group signalled
+    after step 1: whatever the launcher does (accelerate 1.15 dies at once, 1.16 gives the script 5 s), the script
+    checkpoints the step it is in, not the next read of the loss (step 10), and writes the file `stopped`. Both
+    signals, in two launches side by side."""
     import os
     import signal
     import subprocess
@@ -417,12 +418,13 @@ def test_one_process_accelerate_launch_dies_on_a_signal_and_the_script_saves(tmp
         while " 1/40 " not in (tmp_path / f"{signum}.log").read_text() and time.monotonic() < deadline:
             time.sleep(0.05)  # the first step is done
         os.killpg(launcher.pid, getattr(signal, signum))
-    assert launches["SIGTERM"].wait(30) == -signal.SIGTERM and launches["SIGINT"].wait(30) == -signal.SIGINT
-    for signum in launches:
-        while not (tmp_path / signum / "stopped").exists() and time.monotonic() < deadline:
-            time.sleep(0.1)  # the script, on its own
-        while not (tmp_path / signum / "stopped").read_text().startswith("Stopped at") and time.monotonic() < deadline:
+    for signum, launcher in launches.items():
+        assert launcher.wait(30) != 0
+        out = tmp_path / signum
+        # The script may outlive the launcher that it was started by (accelerate 1.15): until its save is whole.
+        while not any(out.glob("checkpoint-*")) and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert list((tmp_path / signum).glob("checkpoint-*"))
-    readme = " ".join((REPO / "README.md").read_text().split())
-    assert "with one, the launcher dies at once, 143 or 130, and the script saves on its own" in readme
+        while any(out.glob("tmp-checkpoint-*")) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        step = int(sorted(out.glob("checkpoint-*"))[-1].name.split("-")[1])
+        assert (out / "stopped").read_text() == f"Stopped by {signum}" and 1 <= step <= 3, step

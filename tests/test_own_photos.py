@@ -65,7 +65,15 @@ def test_the_lora_command_makes_every_file_the_section_promises(tiny_sd_path, ph
     assert "--aspect_ratio_buckets auto" in card
     assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-4"]
     assert (out / "checkpoint-2" / "pytorch_lora_weights.safetensors").exists()
-    assert list((out / "samples").glob("step-*.png"))
+    # "for the one prompt, 4 tiles without the LoRA, then 4 with it": one row of 8 tiles of 64 px, 2 px apart.
+    from PIL import Image
+
+    grids = sorted((out / "samples").glob("step-*.png"))
+    assert grids and Image.open(grids[-1]).size == (2 + 8 * 66, 2 + 66)
+    # "step 13 for 15 photos: 2 held out, 13 train": datasets' split of 15 at a tenth.
+    import datasets
+
+    assert len(datasets.Dataset.from_dict({"row": range(15)}).train_test_split(0.1, seed=0)["test"]) == 2
     logged = scalars(out)  # one picture of ten held out, at t = T/2: quarter 2
     assert {"loss", "val_loss", "val_loss_t2"} <= set(logged)
     # The loading lines, on this machine's CPU and the tiny pipeline.

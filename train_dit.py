@@ -262,7 +262,8 @@ def main(args):
     model, optimizer, train_dataloader, lr_scheduler = accelerator.prepare(
         model, optimizer, train_dataloader, lr_scheduler
     )
-    # Each process draws its own ε and t (the Diffusers examples draw the same on every GPU).
+    # Each process draws its own ε and t (the Diffusers text-to-image examples draw the same on
+    # every GPU).
     set_seed(args.seed, device_specific=True)
 
     # 6. Checkpoint hooks and resume. save_state stores the optimizer, LR schedule and every
@@ -742,7 +743,6 @@ def save_pipeline(args, model, ema_model, sampler, names):
     pipeline.register_to_config(id2label={i: str(name) for i, name in enumerate(names)})
     with ema_weights(ema_model, model.parameters()):
         pipeline.save_pretrained(args.output_dir)
-    logger.info(f"Saved the pipeline to {args.output_dir}")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -799,9 +799,8 @@ def as_one_line(flag):
 
 
 def check_folders(args, final_file, reads_captions=False):
-    """Before the models load, on every process: --output_dir holds no earlier run (checkpoints or
-    final_file) that this one would replace, and --train_data_dir holds pictures; any other file
-    in it that is not read (datasets' metadata, caption files where they are read) is named."""
+    """Before the models load, on every process: no earlier run (checkpoints, final_file) to replace
+    in --output_dir, pictures in --train_data_dir, and its files that are not read named."""
     output_dir = Path(args.output_dir)
     if any(folder.is_file() for folder in [output_dir, *output_dir.absolute().parents]):
         raise SystemExit(f"error: --output_dir {output_dir}: a file is in the way")
@@ -824,9 +823,11 @@ def check_folders(args, final_file, reads_captions=False):
     kinds = Counter(
         sorted(p.suffix.lower() for p in files if p.name not in imagefolder.METADATA_FILENAMES)
     )
-    if not kinds.keys() & set(imagefolder.EXTENSIONS):
+    # Zip archives of pictures too.
+    pictures = {*imagefolder.EXTENSIONS, ".zip"}
+    if not kinds.keys() & pictures:
         raise SystemExit(f"error: --train_data_dir {folder}: no pictures in it, only {dict(kinds)}")
-    read = [*imagefolder.EXTENSIONS, reads_captions and args.caption_extension.lower()]
+    read = [*pictures, reads_captions and args.caption_extension]
     unread = {kind: n for kind, n in kinds.items() if kind not in read}
     if unread:
         logger.warning(
@@ -840,12 +841,14 @@ def remove_earlier_run(accelerator, args):
     # Every process has read the folder (check_folders) before prepare, where they all meet.
     if args.overwrite_output_dir and accelerator.is_main_process:
         output_dir = Path(args.output_dir)
-        earlier = [*list_checkpoints(output_dir), *output_dir.glob("tmp-checkpoint-*"), "samples"]
         logs = output_dir / args.logging_dir
+        earlier = [*output_dir.glob("tmp-checkpoint-*"), output_dir / "samples"]
+        earlier += [output_dir / name for name in list_checkpoints(output_dir)]
+        # The logs too, where they lie in --output_dir.
         if output_dir.resolve() in logs.resolve().parents:
             earlier.append(logs)
         for path in earlier:
-            shutil.rmtree(output_dir / path, ignore_errors=True)
+            shutil.rmtree(path, ignore_errors=True)
     accelerator.wait_for_everyone()
 
 

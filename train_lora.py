@@ -66,16 +66,8 @@ def parse_args(argv=None):
     p.add_argument("--dataset_config_name", help="The dataset's configuration, if it has several.")
     source.add_argument("--train_data_dir", help="A folder of images (an imagefolder).")
     p.add_argument("--image_column", default="image", help="The dataset's image column.")
-    p.add_argument(
-        "--caption_column",
-        default="text",
-        help="The captions' column (or lists); CLIP reads 77 tokens.",
-    )
-    p.add_argument(
-        "--caption_extension",
-        default=".txt",
-        help="Caption files beside images; CLIP reads 77 tokens.",
-    )
+    p.add_argument("--caption_column", default="text", help="Captions (or lists): 77 tokens read.")
+    p.add_argument("--caption_extension", default=".txt", help="Caption files: 77 tokens read.")
     p.add_argument("--instance_prompt", help="One caption for every image, over any other.")
     p.add_argument(
         "--caption_dropout_rate", type=fraction, default=0.0, help="Share of empty captions."
@@ -84,7 +76,7 @@ def parse_args(argv=None):
     p.add_argument("--cache_dir", help="Where downloads are cached (default: the HF cache).")
     p.add_argument("--validation_prompts", "--validation_prompt", nargs="+", help="Sample prompts.")
     p.add_argument(
-        "--num_validation_images", type=count_or_0, default=4, help="Per prompt; 0: no sampling."
+        "--num_validation_images", type=count_or_0, default=4, help="Per prompt; 0: none."
     )
     p.add_argument("--validation_epochs", type=count, default=1, help="Validate every N epochs.")
     p.add_argument("--guidance_scale", type=float, default=7.5, help="Validation's guidance scale.")
@@ -262,8 +254,9 @@ def main(args):
         splits = load_datasets(args, args.image_column)
     if args.instance_prompt is None and args.caption_column not in splits["train"].column_names:
         # kohya's layout: a caption file beside each image (0001.png, 0001.txt).
-        way_out = "give --instance_prompt or a caption file beside each image"
-        with as_one_line(f"no column {args.caption_column!r}; {way_out}"):
+        with as_one_line(
+            f"no column {args.caption_column!r}; give --instance_prompt or caption files"
+        ):
             splits = splits.map(partial(read_caption, args=args), input_columns=args.image_column)
     # Aspect-ratio buckets: each image trains at the size (height, width) of the bucket nearest its
     # aspect ratio, so that a portrait or a panorama is not cut to a square.
@@ -1012,9 +1005,11 @@ def check_folders(args, final_file, reads_captions=False):
     kinds = Counter(
         sorted(p.suffix.lower() for p in files if p.name not in imagefolder.METADATA_FILENAMES)
     )
-    if not kinds.keys() & set(imagefolder.EXTENSIONS):
+    # Zip archives of pictures too.
+    pictures = {*imagefolder.EXTENSIONS, ".zip"}
+    if not kinds.keys() & pictures:
         raise SystemExit(f"error: --train_data_dir {folder}: no pictures in it, only {dict(kinds)}")
-    read = [*imagefolder.EXTENSIONS, reads_captions and args.caption_extension.lower()]
+    read = [*pictures, reads_captions and args.caption_extension]
     unread = {kind: n for kind, n in kinds.items() if kind not in read}
     if unread:
         logger.warning(
@@ -1028,12 +1023,14 @@ def remove_earlier_run(accelerator, args):
     # Every process has read the folder (check_folders) before prepare, where they all meet.
     if args.overwrite_output_dir and accelerator.is_main_process:
         output_dir = Path(args.output_dir)
-        earlier = [*list_checkpoints(output_dir), *output_dir.glob("tmp-checkpoint-*"), "samples"]
         logs = output_dir / args.logging_dir
+        earlier = [*output_dir.glob("tmp-checkpoint-*"), output_dir / "samples"]
+        earlier += [output_dir / name for name in list_checkpoints(output_dir)]
+        # The logs too, where they lie in --output_dir.
         if output_dir.resolve() in logs.resolve().parents:
             earlier.append(logs)
         for path in earlier:
-            shutil.rmtree(output_dir / path, ignore_errors=True)
+            shutil.rmtree(path, ignore_errors=True)
     accelerator.wait_for_everyone()
 
 

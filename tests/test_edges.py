@@ -189,8 +189,8 @@ def signal_handlers():
 
 def test_the_held_out_loss_due_at_the_step_a_run_stops_at_is_logged(folders, tmp_path, monkeypatch, signal_handlers):
     """A quarter held out, the loss every 2 steps, checkpoints every 2; SIGTERM during step 3. The run logs the
-    untrained weights' loss at step 0 and stops at step 4 after that step's held-out loss; resumed, it logs 4
-    (where it starts), 6, 8 and 10: every step the uninterrupted run logs."""
+    untrained weights' loss at step 0 and 2, and stops at the end of step 3, before validation; resumed, it logs
+    3 (where it starts), 4, 6, 8 and 10: every step the uninterrupted run logs, and the one it stopped at."""
     from accelerate.scheduler import AcceleratedScheduler
     from test_held_out import scalars
 
@@ -210,10 +210,10 @@ def test_the_held_out_loss_due_at_the_step_a_run_stops_at_is_logged(folders, tmp
         patch.setattr(AcceleratedScheduler, "step", signalled)
         with pytest.raises(SystemExit) as stop:
             train_in_process("train_unconditional.py", args)
-    assert stop.value.code == 75 and checkpoints(out) == ["checkpoint-2", "checkpoint-4"]
-    assert sorted(scalars(out)["val_loss"]) == [0, 2, 4]
+    assert stop.value.code == 75 and checkpoints(out) == ["checkpoint-2", "checkpoint-3"]
+    assert sorted(scalars(out)["val_loss"]) == [0, 2]
     train_in_process("train_unconditional.py", args + ["--resume_from_checkpoint", "latest"])
-    assert sorted(scalars(out)["val_loss"]) == [0, 2, 4, 6, 8, 10]
+    assert sorted(scalars(out)["val_loss"]) == [0, 2, 3, 4, 6, 8, 10]
 
 
 def card_code(card):
@@ -233,6 +233,7 @@ def test_a_readme_of_the_users_is_kept_and_a_card_of_ours_replaced(folders, tmp_
     assert (out / "README.md").read_text() == "# My project\n\nNotes that are not a model card.\n"
     assert f"{out / 'README.md'} is not a model card of ours: kept" in caplog.text
     (out / "README.md").unlink()
+    args.append("--overwrite_output_dir")  # the folder holds the first run
     train_in_process("train_lora.py", args)
     ours = (out / "README.md").read_text()
     monkeypatch.setattr(sys, "argv", ["train_lora.py", *map(str, args), "--seed", "1"])
@@ -293,15 +294,14 @@ def test_a_number_that_makes_no_sense_ends_in_one_line(script, flags, expected, 
 
 
 @pytest.mark.parametrize("output_dir", ["out", "out/run"])
-def test_an_output_dir_that_is_or_lies_in_a_file_ends_in_one_line(output_dir, tmp_path, capsys):
-    from conftest import import_script
-
+def test_an_output_dir_that_is_or_lies_in_a_file_ends_in_one_line(output_dir, folders, tmp_path, run_in_process,
+                                                                  signal_handlers):
+    """Before the models load (a model that does not exist is never reached)."""
     (tmp_path / "out").write_text("a file of the user's")
-    with pytest.raises(SystemExit):
-        import_script("train_unconditional").parse_args(["--train_data_dir", "x", "--output_dir",
-                                                         str(tmp_path / output_dir)])
-    error = capsys.readouterr().err.strip().splitlines()[-1]
-    assert error.endswith(f"error: --output_dir {tmp_path / output_dir}: a file is in the way")
+    args = script_args("train_unconditional.py", folders, tmp_path / output_dir)
+    args[args.index("--model_config_name_or_path") + 1] = tmp_path / "no-model"
+    error = run_in_process("train_unconditional.py", args)
+    assert error == f"error: --output_dir {tmp_path / output_dir}: a file is in the way"
     assert (tmp_path / "out").read_text() == "a file of the user's"
 
 

@@ -63,6 +63,19 @@ def test_overwrite_output_dir_starts_again_on_two_processes_under_zero2_and_keep
     assert any(not (weights(out / "unet")[k] == v).all() for k, v in earlier_weights.items())
 
 
+def test_overwrite_output_dir_given_as_a_relative_path(folders, tmp_path, monkeypatch, signal_handlers):
+    """`--output_dir out`, as the README writes it: the earlier logs and a half-written checkpoint go too."""
+    monkeypatch.chdir(tmp_path)
+    args = script_args("train_unconditional.py", folders, Path("out")) + ["--logger", "tensorboard",
+                                                                          "--max_train_steps", "2"]
+    train_in_process("train_unconditional.py", args)
+    earlier_logs = {p.name for p in Path("out/logs").rglob("events.out.tfevents.*")}
+    Path("out/tmp-checkpoint-9").mkdir()
+    train_in_process("train_unconditional.py", args + ["--overwrite_output_dir"])
+    logs = {p.name for p in Path("out/logs").rglob("events.out.tfevents.*")}
+    assert earlier_logs and logs and not logs & earlier_logs and not Path("out/tmp-checkpoint-9").exists()
+
+
 def test_latest_starts_where_there_is_no_checkpoint_and_goes_on_where_there_is(folders, tmp_path, caplog,
                                                                               signal_handlers):
     """A requeued job that died before its first checkpoint starts afresh; the next goes on; --overwrite_output_dir
@@ -110,6 +123,12 @@ def test_every_file_of_the_folder_is_read_or_named(folders, tmp_path, caplog, si
     # Hidden files and the metadata are not named; the captions are, with no picture to caption.
     expected = f"error: --train_data_dir {pictures}: no pictures in it, only {{'.avif': 1, '.heic': 2, '.txt': 12}}"
     assert str(stop.value.code) == expected
+    # A zip archive of pictures, which datasets unpacks, counts as pictures.
+    zipped = tmp_path / "zipped"
+    zipped.mkdir()
+    (zipped / "pictures.zip").write_bytes(b"a zip")
+    args[args.index("--train_data_dir") + 1] = zipped
+    script.check_folders(script.parse_args(list(map(str, args))), "pytorch_lora_weights.safetensors", True)
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
@@ -151,7 +170,7 @@ def test_the_readmes_background_commands_stop_with_a_checkpoint(tiny_sd_path, ko
         # Before each kill: the training has started. After it: every process of the run has ended.
         script = re.sub(r"^(kill .*)$", r"until grep -q 'steps of' train.log; do sleep 0.2; done; sleep 1; \1",
                         script, flags=re.M)
-        script += "\nwhile pgrep -f " + str(out) + " > /dev/null; do sleep 0.5; done\n"
+        script += f"\nwhile pgrep -f 'output_dir {out}' > /dev/null; do sleep 0.5; done\n"
         env = {**os.environ, **HF_ENV, "ACCELERATE_USE_CPU": "1"}
         (tmp_path / f"{name}.sh").write_text(script)
         done = subprocess.run(["bash", tmp_path / f"{name}.sh"], cwd=out, env=env, capture_output=True, text=True,

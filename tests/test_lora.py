@@ -307,8 +307,7 @@ def test_an_ignored_official_flag_trains_and_no_validation_images_draw_none(comm
     ("rank", "error: --resume_from_checkpoint "),
     ("fewer_targets", "error: --resume_from_checkpoint {out}/checkpoint-4: "),
     ("more_targets", "error: --resume_from_checkpoint {out}/checkpoint-4: "),
-    ("no_captions", "error: no column 'text'; give --instance_prompt or a caption file beside each image: "
-                    "FileNotFoundError: "),
+    ("no_captions", "error: no column 'text'; give --instance_prompt or caption files: FileNotFoundError: "),
     ("corrupt_image", "error: image "),
     ("deepspeed", "error: launch with DDP, not DeepSpeed or FSDP"),
 ])

@@ -193,8 +193,7 @@ def test_max_train_samples_makes_an_epoch_shorter_and_scale_lr_multiplies(common
 @pytest.mark.parametrize("case, expected", [
     ("not_a_pipeline", "error: --pretrained_model_name_or_path {empty}: "),
     ("no_such_dir", "error: --train_data_dir /no/such/dir: "),
-    ("no_captions", "error: no column 'caption'; give --instance_prompt or a caption file beside each image: "
-                    "FileNotFoundError: "),
+    ("no_captions", "error: no column 'caption'; give --instance_prompt or caption files: FileNotFoundError: "),
     ("corrupt_image", "error: image "),
     ("fp16_on_cpu", "error: --mixed_precision fp16 needs a GPU"),
     ("missing_checkpoint", "error: --resume_from_checkpoint "),

@@ -365,7 +365,7 @@ def main(args):
         if epoch == first_epoch and skip_batches:
             batches = accelerator.skip_first_batches(train_dataloader, skip_batches)
         for batch in batches:
-            # Done, also when resuming the checkpoint of the last step.
+            # Stop at max_train_steps, also when resumed at the last step.
             if global_step >= max_train_steps:
                 break
             with accelerator.accumulate(model):

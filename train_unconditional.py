@@ -187,7 +187,8 @@ def main(args):
         prediction_type=args.prediction_type,
     )
     ema_model = None
-    # The EMA's decay after n steps: 1 - (1 + n/inv_gamma)^-power, at most --ema_max_decay.
+    # The EMA, an average of the weights that samples better; its decay after n steps is
+    # 1 - (1 + n/inv_gamma)^-power, at most --ema_max_decay.
     if args.use_ema:
         ema_model = EMAModel(
             model.parameters(),
@@ -198,6 +199,7 @@ def main(args):
         )
 
     # 4. Data: images resized, cropped, flipped, scaled to [-1, 1]; the held-out ones apart
+    # The main process writes the datasets' cache files; the others then read them.
     with accelerator.main_process_first():
         splits = load_datasets(args, args.image_column)
     train_dataset, held_out = splits["train"], splits.get("validation")
@@ -336,7 +338,7 @@ def main(args):
         if epoch == first_epoch and skip_batches:
             batches = accelerator.skip_first_batches(train_dataloader, skip_batches)
         for batch in batches:
-            # Done, also when resuming the checkpoint of the last step.
+            # Stop at max_train_steps, also when resumed at the last step.
             if global_step >= max_train_steps:
                 break
             with accelerator.accumulate(model):

@@ -210,7 +210,6 @@ def test_a_pixel_space_save_writes_no_vae_folder(flow_run):
     """In pixel space the pipeline has vae=None: diffusers says it cannot save it (guide 3), and the folder
     holds transformer/ and scheduler/ alone."""
     out, _, log = flow_run
-    assert any(line.endswith(f"Saved the pipeline to {out}") for line in log)
     assert (out / "transformer").is_dir() and (out / "scheduler").is_dir() and not (out / "vae").exists()
 
 

@@ -383,7 +383,8 @@ def test_diffusers_card_helper_fails_for_absolute_and_dot_paths_not_a_bare_name(
 def test_one_process_accelerate_launch_signalled_checkpoints_the_step_it_is_in(tmp_path, tiny_unet_config):
     """A one-process `accelerate launch` whose steps are slow (0.1 s a micro-batch), its process group signalled
     after step 1: whatever the launcher does (accelerate 1.15 dies at once, 1.16 gives the script 5 s), the script
-    checkpoints the step it is in, not the next read of the loss (step 10), and writes the file `stopped`. Both
+    checkpoints the step it is in (under load, the log shows step 1 a few steps late), not the next read of the
+    loss (step 10), and writes the file `stopped`. Both
     signals, in two launches side by side."""
     import os
     import signal
@@ -413,7 +414,7 @@ def test_one_process_accelerate_launch_signalled_checkpoints_the_step_it_is_in(t
         with open(tmp_path / f"{signum}.log", "w") as log:
             launches[signum] = subprocess.Popen(list(map(str, command)), env={**os.environ, **HF_ENV}, stdout=log,
                                                 stderr=subprocess.STDOUT, start_new_session=True)
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + 300
     for signum, launcher in launches.items():
         while " 1/40 " not in (tmp_path / f"{signum}.log").read_text() and time.monotonic() < deadline:
             time.sleep(0.05)  # the first step is done
@@ -427,4 +428,4 @@ def test_one_process_accelerate_launch_signalled_checkpoints_the_step_it_is_in(t
         while any(out.glob("tmp-checkpoint-*")) and time.monotonic() < deadline:
             time.sleep(0.1)
         step = int(sorted(out.glob("checkpoint-*"))[-1].name.split("-")[1])
-        assert (out / "stopped").read_text() == f"Stopped by {signum}" and 1 <= step <= 3, step
+        assert (out / "stopped").read_text() == f"Stopped by {signum}" and 1 <= step < 10, step
